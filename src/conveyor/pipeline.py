@@ -15,7 +15,6 @@ from torch import nn
 from conveyor import microbatch
 from conveyor.comm import Meta, P2P
 from conveyor.config import PipelineConfig
-from conveyor.graph import StageGraph
 from conveyor.runtime import LossFn, Runtime, StepInputs
 from conveyor.schedule import Program, Schedule, build_program, forward_only
 from conveyor.simulate import execute
@@ -57,7 +56,8 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else _default_device(group)
         self.loss_fn = loss_fn
         self._model = model
-        self.graph = _split(model, config, self.num_ranks, concrete_args)
+        self.split_points = _split_points(model, config, self.num_ranks)
+        self.graph = split_model(model, self.split_points, config.placement, concrete_args)
         if self.graph.num_ranks != self.num_ranks:
             raise ValueError(f"the split places stages on {self.graph.num_ranks} ranks but the "
                              f"process group has {self.num_ranks}; launch with "
@@ -165,11 +165,9 @@ class Pipeline:
     def describe(self) -> str:
         """One line: the plan, as logged at start-up."""
         estimate = execute(self.program, self.topology)
-        sizes = self.config.balance or [len(list(m.parameters())) for m in self.stages.values()]
         return (f"schedule={self.config.schedule} stages={self.graph.num_stages} "
                 f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
-                f"{'balance' if self.config.balance else 'local parameter tensors'}={list(sizes)} "
-                f"checkpoint={self.config.checkpoint} "
+                f"split before {list(self.split_points)} checkpoint={self.config.checkpoint} "
                 f"est. bubble={estimate.bubble_fraction:.0%}")
 
     def program_text(self) -> str:
@@ -188,8 +186,9 @@ class Pipeline:
                              "one rank")
 
 
-def _split(model: nn.Module, config: PipelineConfig, num_ranks: int,
-           concrete_args: dict[str, Any] | None) -> StageGraph:
+def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> tuple[str, ...]:
+    """Where to cut: the configured split points, or the layers that start each stage of an
+    nn.Sequential split by balance (even by default)."""
     split_points = config.split_points
     if split_points is None:
         if isinstance(model, nn.Sequential):
@@ -205,7 +204,7 @@ def _split(model: nn.Module, config: PipelineConfig, num_ranks: int,
                              "submodules that start stages 1.., e.g. ['layers.4']")
         else:
             split_points = ()
-    return split_model(model, split_points, config.placement, concrete_args)
+    return tuple(split_points)
 
 
 def _materialize(module: nn.Module | None, device: torch.device) -> nn.Module:

@@ -14,8 +14,10 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from conveyor.comm import Meta, P2P, Receive
 from conveyor.graph import MODEL_OUTPUT, StageGraph
+from conveyor.memory import ActivationMeter
 from conveyor.rng import RngState, microbatch_seed, rng_stream
 from conveyor.schedule.program import Action, Kind
+from conveyor.trace import Recorder
 
 __all__ = ["CheckpointMode", "LossFn", "Runtime", "StepInputs"]
 
@@ -72,6 +74,10 @@ class Runtime:
             module = graph.stages[s].module
             assert module is not None, f"stage {s} on rank {rank} has no module"
             self.modules[s] = module
+        self.meter = ActivationMeter()
+        self.meter.exclude(p for m in self.modules.values() for p in m.parameters())
+        self.recorder: Recorder | None = None
+        """Set to record every action's start and end (conveyor.trace)."""
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward, Kind.B: self._backward,
@@ -83,10 +89,16 @@ class Runtime:
         """Execute ``actions`` in order; returns the step's state (losses, outputs)."""
         self._step = step
         self._state = _State()
+        recorder = self.recorder
         with torch.set_grad_enabled(step.is_training):
             for action in actions:
                 logger.debug("[rank %d] %s", self.rank, action)
+                if recorder is None:
+                    self._handlers[action.kind](action)
+                    continue
+                start = recorder.now()
                 self._handlers[action.kind](action)
+                recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
             self.p2p.wait_sends()
         state, self._state = self._state, _State()
         return state
@@ -100,7 +112,8 @@ class Runtime:
                     for u in self.graph.producers(s) if self.graph.rank_of(u) != self.rank}
         args = [self._input(s, k, name, received) for name in stage.inputs]
         end: list[RngState] = []
-        with rng_stream(self._rng_start(s, k, received), self.device, end):
+        with (rng_stream(self._rng_start(s, k, received), self.device, end),
+              self.meter.saving((s, k))):
             if self._is_recomputed(k):
                 out = recompute(self.modules[s], *args, use_reentrant=False)
             else:
@@ -112,6 +125,8 @@ class Runtime:
                                f"values {list(stage.outputs)}")
         outputs = dict(zip(stage.outputs, out, strict=True))
         self._state.outputs[(s, k)] = outputs
+        if self._step.is_training:
+            self.meter.hold((s, k), (self._state.inputs.get((s, k)), out))
         if s == self.graph.sink:
             self._finish(k, outputs[MODEL_OUTPUT])
 
@@ -172,6 +187,7 @@ class Runtime:
             for name, value in inputs.items() if self.graph.producer(name) is not None}
         del self._state.outputs[(s, k)]
         self._state.rng_end.pop((s, k), None)
+        self.meter.release((s, k))
 
     def _roots(self, s: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Tensors to backpropagate from and their gradients, summed over consumers.

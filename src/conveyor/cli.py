@@ -1,0 +1,177 @@
+"""The `conveyor` command: argparse -> configs -> calls into the modules; no logic of its own.
+
+    conveyor demo                                   # train a GPT on 2 local ranks
+    conveyor run -n 2 train.py --lr 1e-3            # any script, under torchrun
+    conveyor simulate --schedule 1f1b --stages 4 --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import logging
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from conveyor.config import PipelineConfig
+from conveyor.demo import DemoConfig, worker_args
+from conveyor.graph import chain
+from conveyor.schedule import SCHEDULES, build_program
+from conveyor.simulate import execute
+from conveyor.trace import render_grid
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``conveyor`` command; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s")
+    try:
+        return int(args.command(args, parser))
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        parser.error(str(error))
+    return 2  # parser.error exits; this keeps type checkers content
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a script on N local ranks under torchrun")
+    run.add_argument("-n", "--nproc", type=int, default=2, help="ranks to start (default 2)")
+    run.add_argument("script", help="Python script to run on every rank")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(command=_run)
+
+    demo = commands.add_parser("demo", help="train the shipped GPT, pipelined over local ranks")
+    demo.add_argument("--config", type=Path, help="TOML file with demo and pipeline fields")
+    add_dataclass_flags(demo, DemoConfig)
+    add_dataclass_flags(demo, PipelineConfig)
+    demo.set_defaults(command=_demo)
+
+    simulate = commands.add_parser("simulate", help="print a schedule's Program as a "
+                                   "rank x time grid, without starting processes")
+    simulate.add_argument("--schedule", default="1f1b",
+                          help=f"one of {sorted(SCHEDULES)}, or a schedule file")
+    simulate.add_argument("--stages", type=int, default=4)
+    simulate.add_argument("--microbatches", type=int, default=8)
+    simulate.add_argument("--actions", action="store_true",
+                          help="also print every rank's actions, sends and receives included")
+    simulate.set_defaults(command=_simulate)
+    return parser
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.nproc < 1:
+        raise ValueError(f"-n must be >= 1, got {args.nproc}")
+    if not Path(args.script).is_file():
+        raise FileNotFoundError(f"script {args.script!r} not found")
+    return _torchrun(["--nproc-per-node", str(args.nproc), args.script, *args.script_args])
+
+
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    values = _toml(args.config) if args.config else {}
+    demo = build_dataclass(DemoConfig, args, values)
+    pipeline = build_dataclass(PipelineConfig, args, values)
+    return _torchrun(["--nproc-per-node", str(demo.ranks), "-m", "conveyor.demo",
+                      *worker_args(demo, pipeline)])
+
+
+def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    graph = chain(args.stages)
+    program = build_program(args.schedule, graph, args.microbatches)
+    timeline = execute(program, graph)
+    print(render_grid(timeline))
+    print(f"schedule={args.schedule} stages={args.stages} microbatches={args.microbatches} "
+          f"step={timeline.step_time:g} units (F=1, B=2) bubble={timeline.bubble_fraction:.1%}")
+    if args.actions:
+        print("\n".join(f"rank {r}: {' '.join(map(str, a))}" for r, a in enumerate(program)))
+    return 0
+
+
+def _torchrun(arguments: list[str]) -> int:
+    """Start ranks with torchrun (torch.distributed.run) on this machine."""
+    from torch.distributed.run import get_args_parser, run
+
+    launch = get_args_parser().parse_args(["--standalone", *arguments])
+    try:
+        run(launch)
+    except Exception as error:  # torchrun's ChildFailedError already printed each rank's error
+        logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)
+        return 1
+    return 0
+
+
+# -- flags from dataclasses ---------------------------------------------------------------
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--field-name`` flag per dataclass field; help comes from the field's docstring."""
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        kind, nargs = _flag_type(hints[field.name])
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = f"{docs.get(field.name, '')} (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, nargs=nargs, default=None, help=help_text)
+
+
+def build_dataclass(cls: type, args: argparse.Namespace, values: dict[str, Any]) -> Any:
+    """An instance of ``cls`` from TOML ``values`` overridden by the flags that were given."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in values.items() if k in names}
+    fields.update({k: v for k, v in vars(args).items() if k in names and v is not None})
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def _flag_type(hint: Any) -> tuple[type, str | None]:
+    """The argparse type and nargs for a field's type hint."""
+    options = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = options[0]
+    if typing.get_origin(hint) is tuple:
+        return typing.get_args(hint)[0], "+"
+    if typing.get_origin(hint) is typing.Literal:
+        return str, None
+    return hint, None
+
+
+@cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written beneath dataclass fields, read from the class's source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition
+    docs = {}
+    for field, doc in zip(body, body[1:], strict=False):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)):
+            docs[field.target.id] = " ".join(str(doc.value.value).split())
+    return docs
+
+
+def _toml(path: Path) -> dict[str, Any]:
+    with path.open("rb") as file:
+        return tomllib.load(file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The demo: train the shipped GPT on Python's own source text, pipelined over local ranks.
+
+    conveyor demo                      # 2 ranks, 1F1B, 8 micro-batches
+    conveyor demo --schedule gpipe --checkpoint always
+Each rank runs ``python -m conveyor.demo`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from conveyor.config import PipelineConfig
+from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.pipeline import Pipeline
+
+__all__ = ["DemoConfig", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoConfig:
+    """What the demo trains and for how long."""
+
+    ranks: int = 2
+    """Processes (pipeline ranks) to start."""
+    steps: int = 60
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per step."""
+    seq_len: int = 64
+    """Characters per sequence."""
+    dim: int = 64
+    """Model width."""
+    num_layers: int = 4
+    """Transformer blocks (the model has two more layers: embedding and head)."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    log_every: int = 10
+    """Steps between progress lines."""
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "steps", "batch_size", "seq_len", "dim", "num_layers", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
+    """Train on this rank (torch.distributed must be initialized); returns the loss log on the
+    rank that holds the last stage, an empty list elsewhere."""
+    torch.manual_seed(0)
+    model = gpt(seq_len=demo.seq_len, dim=demo.dim, num_layers=demo.num_layers)
+    pipe = Pipeline(model, pipeline, loss_fn=gpt_loss)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=demo.lr)
+    batches = text_batches(demo.batch_size, demo.seq_len, demo.steps)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step, (inputs, targets) in enumerate(batches, start=1):
+        loss = pipe.step(inputs, targets)
+        optimizer.step()
+        optimizer.zero_grad()
+        if loss is not None and (step % demo.log_every == 0 or step == demo.steps):
+            losses.append(loss.item())  # a sync point: only on logging steps
+            elapsed = (time.perf_counter() - start) / step
+            logger.info("step %d/%d | loss %.4f | %.1f ms/step | %.1fk samples/s", step,
+                        demo.steps, losses[-1], elapsed * 1e3, demo.batch_size / elapsed / 1e3)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point: ``python -m conveyor.demo --demo JSON --pipeline JSON``."""
+    parser = argparse.ArgumentParser(prog="python -m conveyor.demo")
+    parser.add_argument("--demo", default="{}", help="DemoConfig fields as JSON")
+    parser.add_argument("--pipeline", default="{}", help="PipelineConfig fields as JSON")
+    args = parser.parse_args(argv)
+    demo = DemoConfig(**json.loads(args.demo))
+    fields = json.loads(args.pipeline)
+    pipeline = PipelineConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                 for k, v in fields.items()})
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # an entry point, like cli
+    dist.init_process_group("gloo")
+    try:
+        train(demo, pipeline)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def worker_args(demo: DemoConfig, pipeline: PipelineConfig) -> list[str]:
+    """The command-line arguments of ``main`` for these configs."""
+    return ["--demo", json.dumps(dataclasses.asdict(demo)),
+            "--pipeline", json.dumps(dataclasses.asdict(pipeline))]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

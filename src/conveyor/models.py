@@ -1,0 +1,109 @@
+"""Small models and data that ship with conveyor: a GPT for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+__all__ = ["Block", "Embedding", "Head", "char_corpus", "gpt", "gpt_loss", "text_batches"]
+
+logger = logging.getLogger(__name__)
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embeddings, then dropout."""
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(seq_len, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(self.tokens(ids) + self.positions(positions))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, each residual."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        attention = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        y = (attention @ v).transpose(1, 2).reshape(batch, seq, dim)
+        x = x + self.dropout(self.proj(y))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+
+class Head(nn.Module):
+    """Final layer norm and the projection to vocabulary logits (optionally a tied weight)."""
+
+    def __init__(self, dim: int, vocab_size: int, tied: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab_size, bias=False)
+        if tied is not None:
+            self.out.weight = tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def gpt(vocab_size: int = 96, seq_len: int = 64, dim: int = 64, num_layers: int = 4,
+        num_heads: int = 4, dropout: float = 0.1, tie_embeddings: bool = False) -> nn.Sequential:
+    """A GPT as an nn.Sequential: embedding, ``num_layers`` blocks, head (``num_layers + 2``
+    layers), so ``balance`` can split it anywhere."""
+    embedding = Embedding(vocab_size, seq_len, dim, dropout)
+    blocks = [Block(dim, num_heads, dropout) for _ in range(num_layers)]
+    head = Head(dim, vocab_size, embedding.tokens.weight if tie_embeddings else None)
+    return nn.Sequential(embedding, *blocks, head)
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def char_corpus() -> str:
+    """Text that ships with Python: the source of a few standard-library modules."""
+    root = Path(logging.__file__).parent.parent
+    names = ["textwrap.py", "string.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py"]
+    return "\n".join((root / name).read_text(encoding="utf-8") for name in names)
+
+
+def text_batches(batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 96,
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, next-token targets) batches of printable characters from ``char_corpus``.
+
+    Characters map to ``ord(c) - 32`` clipped to the vocabulary; windows start at random
+    offsets drawn from ``seed``, so the same arguments give the same batches.
+    """
+    ids = torch.tensor([min(max(ord(c) - 32, 0), vocab_size - 1) for c in char_corpus()])
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_batches):
+        starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=generator)
+        windows = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])
+        batches.append((windows[:, :-1], windows[:, 1:]))
+    return batches
