@@ -1,4 +1,4 @@
-"""Small models and data that ship with conveyor: a GPT for the demo, tests and benchmarks."""
+"""A small GPT and character data from Python's own source, for the demo, tests and benchmarks."""
 
 from __future__ import annotations
 
