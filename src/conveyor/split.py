@@ -80,7 +80,7 @@ def _where(error: BaseException) -> str:
     """' (at file:line in func: code)' for the last frame of user code in the traceback."""
     torch_dir = str(Path(torch.__file__).parent)
     frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(torch_dir) and not f.filename.endswith("split.py")]
+              if not f.filename.startswith(torch_dir) and f.filename != __file__]
     if not frames:
         return ""
     frame = frames[-1]
