@@ -39,6 +39,7 @@ def run_ranks(fn: Callable[..., Any], tmp_path: Path, world_size: int = 2,
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, store: str,
            kwargs: dict[str, Any]) -> None:
     torch.set_num_threads(1)  # two ranks on two cores: avoid oversubscription
+    torch.manual_seed(0)  # every rank draws the same batch, as Pipeline.step expects
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))

@@ -6,6 +6,8 @@ import logging
 import pickle
 import warnings
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -160,15 +162,15 @@ class P2P:
                 continue
             buffer = torch.empty(leaf.nbytes, dtype=torch.uint8, device=self.device)
             receive.buffers.append(buffer)
-            receive.works.append(self._irecv(buffer, receive.src))
+            receive.works.append(self._irecv(buffer, receive.src, receive.describe))
         receive.started = True
 
     def _recv_header(self, receive: Receive) -> Meta:
         doing = f"receiving the header of {receive.describe}"
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(self._irecv(size, receive.src), receive.src, doing)
+        self._wait(self._irecv(size, receive.src, receive.describe), receive.src, doing)
         header = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self._irecv(header, receive.src), receive.src, doing)
+        self._wait(self._irecv(header, receive.src, receive.describe), receive.src, doing)
         with warnings.catch_warnings():  # torch's own TreeSpec unpickling warns about itself
             warnings.simplefilter("ignore", FutureWarning)
             meta = pickle.loads(header.cpu().numpy().tobytes())
@@ -177,18 +179,26 @@ class P2P:
 
     def _isend(self, tensor: torch.Tensor, dst: int, describe: str) -> None:
         tensor = tensor.to(self.device)
-        work = dist.isend(tensor, group=self.group, group_dst=dst)
+        with self._naming_lost(dst, f"sending {describe}"):
+            work = dist.isend(tensor, group=self.group, group_dst=dst)
         assert work is not None
         self._sends.append((work, dst, describe, tensor))  # keep the tensor alive until sent
 
-    def _irecv(self, buffer: torch.Tensor, src: int) -> dist.Work:
-        work = dist.irecv(buffer, group=self.group, group_src=src)
+    def _irecv(self, buffer: torch.Tensor, src: int, describe: str) -> dist.Work:
+        with self._naming_lost(src, f"receiving {describe}"):
+            work = dist.irecv(buffer, group=self.group, group_src=src)
         assert work is not None
         return work
 
     def _wait(self, work: dist.Work, peer: int, doing: str) -> None:
-        try:
+        with self._naming_lost(peer, doing):
             work.wait(self.timeout)
+
+    @contextmanager
+    def _naming_lost(self, peer: int, doing: str) -> Iterator[None]:
+        """Turn the backend's error for a dead or silent peer into one that names the peer."""
+        try:
+            yield
         except RuntimeError as error:
             raise PeerLostError(
                 f"rank {self.rank}: lost rank {peer} while {doing} (waited at most "

@@ -1,0 +1,237 @@
+"""Pipelined training computes what plain training computes: loss, every gradient, outputs."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from dist import run_ranks
+from torch import nn
+
+import conveyor
+from conveyor.comm import PeerLostError
+from conveyor.models import gpt, gpt_loss, text_batches
+
+pytestmark = pytest.mark.dist
+
+
+def tiny(depth: int = 8, width: int = 8, dropout: float = 0.2) -> nn.Sequential:
+    """Linear layers with dropout and layer norm, float64."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(width, width))
+        layers.append([nn.Dropout(dropout), nn.LayerNorm(width), nn.Tanh()][i % 3])
+    return nn.Sequential(*layers).double()
+
+
+def reference(model: nn.Module, x: Any, y: torch.Tensor, num_microbatches: int,
+              loss_fn: Any, step: int = 0) -> torch.Tensor:
+    """Plain training of ``model`` on one process: micro-batch k seeded as conveyor seeds it,
+    losses weighted by their share of the batch, gradients accumulated."""
+    total = torch.zeros((), dtype=torch.float64)
+    xs = torch.tensor_split(x, num_microbatches)
+    for k, (xk, yk) in enumerate(zip(xs, torch.tensor_split(y, num_microbatches), strict=True)):
+        torch.manual_seed(conveyor.microbatch_seed(0, step, k))
+        loss = loss_fn(model(xk), yk) * (len(xk) / len(x))
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def check_step(pipe: conveyor.Pipeline, plain: nn.Module, x: Any, y: torch.Tensor,
+               loss_fn: Any, atol: float | None, step: int = 0) -> None:
+    expected = reference(plain, x, y, pipe.config.num_microbatches, loss_fn, step)
+    loss = pipe.step(x, y)
+    tolerance: dict[str, float] = {} if atol is None else {"rtol": 0.0, "atol": atol}
+    if pipe.rank == pipe.graph.rank_of(pipe.graph.sink):
+        assert loss is not None
+        torch.testing.assert_close(loss.to(expected.dtype), expected, **tolerance)
+    else:
+        assert loss is None
+    reference_grads = dict(plain.named_parameters())
+    names = [name for name, _ in pipe.named_parameters()]
+    assert names, "every rank holds parameters"
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, **tolerance,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _equivalence(rank: int, world_size: int, depth: int) -> None:
+    x = torch.randn(10, 8, dtype=torch.float64)
+    y = torch.randn(10, 8, dtype=torch.float64)
+    for schedule in ("gpipe", "1f1b"):
+        for m in (1, 2, 3, 8):
+            for checkpoint in ("never", "except_last", "always"):
+                model = tiny(depth)
+                pipe = conveyor.Pipeline(copy.deepcopy(model), num_microbatches=m,
+                                         schedule=schedule, checkpoint=checkpoint,
+                                         loss_fn=F.mse_loss, timeout_s=15)
+                check_step(pipe, model, x, y, F.mse_loss, atol=1e-10)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_loss_and_every_gradient_match_plain_training(tmp_path: Path, world_size: int) -> None:
+    run_ranks(_equivalence, tmp_path, world_size, timeout_s=150, depth=8)
+
+
+def _gpt_curve(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = gpt(seq_len=16, dim=32, num_layers=2, dropout=0.1)
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, num_microbatches=4, schedule="1f1b", loss_fn=gpt_loss,
+                             timeout_s=15)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    names = dict(pipe.named_parameters())
+    losses, plain_losses = [], []
+    for step, (x, y) in enumerate(text_batches(8, 16, 50)):
+        loss = pipe.step(x, y)
+        plain_losses.append(reference(plain, x, y, 4, gpt_loss, step).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+        if loss is not None:
+            losses.append(loss.item())
+    if losses:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses))
+        assert losses[-1] < losses[0] - 0.5, "the model learns"
+    reference_parameters = dict(plain.named_parameters())
+    for name, parameter in names.items():
+        torch.testing.assert_close(parameter, reference_parameters[name])
+
+
+def test_fifty_steps_follow_the_plain_loss_curve(tmp_path: Path) -> None:
+    run_ranks(_gpt_curve, tmp_path, 2, timeout_s=150)
+
+
+class Tower(nn.Module):
+    """Takes keyword inputs, passes a dict with an integer tensor, a mask and a constant
+    between stages, and returns a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+        self.register_buffer("offset", torch.arange(8, dtype=torch.float64))
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> Any:
+        h = self.embed(ids) + self.offset
+        state = {"h": h, "ids": ids, "keep": mask, "count": ids.shape[1]}
+        h = self.body(state["h"]) * state["keep"].unsqueeze(-1)
+        pooled = h.sum(1) / state["count"] + state["ids"].float().mean(1, keepdim=True)
+        return self.head(pooled) * scale, pooled.detach()
+
+
+def tower_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output[0], target)
+
+
+def _pytrees(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Tower().double()
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(model, split_points=["body"], num_microbatches=3,
+                             loss_fn=tower_loss, timeout_s=15)
+    for step, seq in enumerate((5, 7, 5)):  # variable sequence length, and back
+        ids = torch.randint(0, 10, (7, seq))
+        mask = torch.rand(7, seq) > 0.3
+        y = torch.randint(0, 3, (7,))
+        inputs = {"ids": ids, "mask": mask, "scale": 0.5}
+
+        expected = torch.zeros((), dtype=torch.float64)
+        for k, (ik, mk, yk) in enumerate(zip(torch.tensor_split(ids, 3), torch.tensor_split(
+                mask, 3), torch.tensor_split(y, 3), strict=True)):
+            torch.manual_seed(conveyor.microbatch_seed(0, step, k))
+            loss = tower_loss(plain(ik, mk, 0.5), yk) * (len(ik) / 7)
+            loss.backward()
+            expected += loss.detach()
+        loss = pipe.step(inputs, y)
+        if loss is not None:
+            torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
+        grads = dict(plain.named_parameters())
+        for name, parameter in pipe.named_parameters():
+            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=0, atol=1e-10)
+            parameter.grad = None
+        plain.zero_grad()
+    pipe.eval()
+    plain.eval()
+    ids, mask = torch.randint(0, 10, (5, 4)), torch.ones(5, 4, dtype=torch.bool)
+    output = pipe.forward({"ids": ids, "mask": mask})
+    if output is not None:
+        for got, want in zip(output, plain(ids, mask), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_pytrees_keywords_variable_shapes_and_inference(tmp_path: Path) -> None:
+    run_ranks(_pytrees, tmp_path, 2, timeout_s=90)
+
+
+def _meta(rank: int, world_size: int) -> None:
+    with torch.device("meta"):
+        model = tiny(4)
+    pipe = conveyor.Pipeline(model, num_microbatches=2, loss_fn=F.mse_loss, timeout_s=15)
+    assert all(not p.is_meta for p in pipe.parameters())
+    local = {name for name, _ in pipe.named_parameters()}
+    elsewhere = [p for n, p in model.named_parameters() if n not in local]
+    assert elsewhere and all(p.is_meta for p in elsewhere), "other stages stay unallocated"
+    plain = tiny(4)
+    pipe.load_state_dict(plain.state_dict())
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    check_step(pipe, plain, x, y, F.mse_loss, atol=1e-10)
+
+
+def test_meta_model_materializes_only_local_stages(tmp_path: Path) -> None:
+    run_ranks(_meta, tmp_path, 2, timeout_s=60)
+
+
+class Growing(nn.Module):
+    """Returns one more column on every call: shapes that do not follow the input's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.repeat(1, self.calls)
+
+
+def _shape_change(rank: int, world_size: int) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Growing(), nn.Linear(4, 2)).double()
+    pipe = conveyor.Pipeline(model, balance=[2, 1], num_microbatches=2, timeout_s=5)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="changed shape for the same input shapes"):
+            pipe.forward(x)
+    else:
+        with pytest.raises(PeerLostError, match="lost rank 0"):
+            pipe.forward(x)
+
+
+def test_changed_shape_fails_clearly_and_the_peer_does_not_hang(tmp_path: Path) -> None:
+    run_ranks(_shape_change, tmp_path, 2, timeout_s=60)
+
+
+def _lost_peer(rank: int, world_size: int) -> None:
+    pipe = conveyor.Pipeline(tiny(4), num_microbatches=2, loss_fn=F.mse_loss, timeout_s=30)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pipe.step(x, x)
+    if rank == 1:
+        os._exit(0)  # vanish between steps, without a clean shutdown
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="lost rank 1"):
+        pipe.step(x, x)
+    assert time.monotonic() - start < 30, "noticed within the peer timeout"
+
+
+def test_lost_peer_fails_the_other_rank_naming_it(tmp_path: Path) -> None:
+    run_ranks(_lost_peer, tmp_path, 2, timeout_s=90)
