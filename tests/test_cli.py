@@ -1,0 +1,55 @@
+"""The conveyor command: simulate without processes, demo and run under torchrun, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_simulate_prints_the_grid_and_the_bubble(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 0 | 0F0 0F1 0F2 0F3")
+    assert "bubble=27.3%" in out  # (p - 1) / (m + p - 1) = 3 / 11
+
+
+def test_simulate_reads_a_schedule_file(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    schedule = tmp_path / "mine.txt"
+    schedule.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    assert main(["simulate", "--schedule", str(schedule), "--stages", "2",
+                 "--microbatches", "2", "--actions"]) == 0
+    assert "rank 1: 1RF0<0 1F0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--schedule", "ifib"], "unknown schedule 'ifib'"),
+    (["demo", "--checkpoint", "sometimes"], "checkpoint must be one of"),
+    (["demo", "--num-microbatches", "0"], "num_microbatches must be >= 1"),
+    (["run", "-n", "2", "missing.py"], "script 'missing.py' not found"),
+])
+def test_bad_input_exits_2_with_a_message(argv: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_demo_trains(capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--steps", "4", "--log-every", "2", "--dim", "32"]) == 0
+    out = capfd.readouterr()
+    assert "step 4/4 | loss" in out.out + out.err
+
+
+@pytest.mark.dist
+def test_run_launches_a_script_on_every_rank(capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "-n", "2", str(ROOT / "examples" / "train_gpt.py"), "--steps", "10"]) == 0
+    out = capfd.readouterr()
+    assert "step 10 | loss" in out.out + out.err
