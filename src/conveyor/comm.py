@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from conveyor.trace import Recorder
+
 __all__ = ["LeafMeta", "Meta", "P2P", "PeerLostError", "Receive"]
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,8 @@ class P2P:
         self.rank = dist.get_rank(group)
         self._queues: dict[int, deque[Receive]] = {}
         self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
+        self.recorder: Recorder | None = None
+        """Set to record waits and bytes sent (conveyor.trace); None costs nothing."""
 
     def send(self, value: Any, dst: int, describe: str, header: Meta | None = None) -> None:
         """Start sending ``value`` to group rank ``dst``, preceded by ``header`` if given."""
@@ -109,6 +113,8 @@ class P2P:
         for leaf in pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.numel() > 0:
                 self._isend(_as_bytes(leaf.detach()), dst, describe)
+                if self.recorder is not None:
+                    self.recorder.sent(leaf.numel() * leaf.element_size())
 
     def post(self, src: int, meta: Meta | None, describe: str,
              same_as: Receive | None = None) -> Receive:
@@ -128,6 +134,7 @@ class P2P:
     def wait(self, receive: Receive) -> Any:
         """Block until ``receive`` has arrived and return its value."""
         queue = self._queues[receive.src]
+        start = 0.0 if self.recorder is None else self.recorder.now()
         while not receive.started:
             pending = queue.popleft()
             if pending.meta is None:
@@ -137,6 +144,8 @@ class P2P:
         for work in receive.works:
             self._wait(work, receive.src, f"receiving {receive.describe}")
         assert receive.meta is not None
+        if self.recorder is not None:
+            self.recorder.wait(receive.describe, start, self.recorder.now(), receive.meta.nbytes)
         leaves = []
         for leaf, buffer in zip(receive.meta.leaves, receive.buffers, strict=True):
             if not leaf.is_tensor:
@@ -151,8 +160,11 @@ class P2P:
     def wait_sends(self) -> None:
         """Block until every started send has been delivered."""
         sends, self._sends = self._sends, []
+        start = 0.0 if self.recorder is None else self.recorder.now()
         for work, dst, describe, _ in sends:
             self._wait(work, dst, f"sending {describe}")
+        if self.recorder is not None and sends:
+            self.recorder.wait("sends", start, self.recorder.now())
 
     def _start(self, receive: Receive) -> None:
         assert receive.meta is not None

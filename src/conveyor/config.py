@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-__all__ = ["CHECKPOINT_MODES", "PipelineConfig"]
+__all__ = ["CHECKPOINT_MODES", "PipelineConfig", "read_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +37,19 @@ class PipelineConfig:
     of the batch and the step's loss equals the full batch's. 'sum': they are added."""
     seed: int = 0
     """Seed of the per-micro-batch random streams (dropout); Note [micro-batch randomness]."""
-    timeout_s: float = 120.0
-    """Longest wait for a peer before the rank fails, naming the peer."""
+    timeout_s: float = 60.0
+    """Longest wait for a peer before the rank fails, naming the peer and the action."""
     placement: tuple[int, ...] | None = None
     """Rank of each stage; default: stage i on rank i."""
+    stage_checkpoint: tuple[Literal["always", "except_last", "never"], ...] | None = None
+    """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
+    (conveyor.plan) writes it."""
+    trace: bool = False
+    """Record every action's start and end, waits, bytes sent and activation memory
+    (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""
+    trace_dir: str | None = None
+    """Also write each rank's recorded steps to <trace_dir>/rank<N>.jsonl (implies trace);
+    render with `conveyor trace DIR`."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
@@ -54,6 +67,11 @@ class PipelineConfig:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.stage_checkpoint is not None:
+            wrong = [m for m in self.stage_checkpoint if m not in CHECKPOINT_MODES]
+            if wrong:
+                raise ValueError(f"stage_checkpoint has modes {wrong}; each must be one of "
+                                 f"{list(CHECKPOINT_MODES)}")
 
     @property
     def num_stages(self) -> int | None:
@@ -63,3 +81,26 @@ class PipelineConfig:
         if self.split_points is not None:
             return len(self.split_points) + 1
         return None
+
+
+def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """PipelineConfig fields from a plan file written by ``conveyor plan --out FILE``.
+
+    A plan file is JSON with the fields under ``"pipeline"`` (the rest describes the
+    prediction). Raises ValueError naming the file if it holds no plan or unknown fields.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"plan file {str(path)!r} is not JSON ({error}); write one with "
+                         "`conveyor plan ... --out plan.json`") from error
+    if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict):
+        raise ValueError(f"plan file {str(path)!r} has no 'pipeline' section; write one with "
+                         "`conveyor plan ... --out plan.json`")
+    fields = data["pipeline"]
+    known = {f.name for f in dataclasses.fields(PipelineConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"plan file {str(path)!r} sets unknown fields {unknown}; expected "
+                         f"PipelineConfig fields {sorted(known)}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -14,11 +17,12 @@ from torch import nn
 
 from conveyor import microbatch
 from conveyor.comm import Meta, P2P
-from conveyor.config import PipelineConfig
+from conveyor.config import PipelineConfig, read_plan
 from conveyor.runtime import LossFn, Runtime, StepInputs
 from conveyor.schedule import Program, Schedule, build_program, forward_only
 from conveyor.simulate import execute
 from conveyor.split import balance_to_split_points, bind_inputs, even_balance, split_model
+from conveyor.trace import Recorder, Timeline, merge
 
 __all__ = ["Pipeline"]
 
@@ -41,14 +45,23 @@ class Pipeline:
     def __init__(self, model: nn.Module, config: PipelineConfig | None = None, *,
                  loss_fn: LossFn | None = None, group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, schedule: str | Schedule | None = None,
-                 concrete_args: dict[str, Any] | None = None, **options: Any) -> None:
+                 concrete_args: dict[str, Any] | None = None, plan: str | os.PathLike[str]
+                 | None = None, **options: Any) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; launch with `conveyor run "
                                "-n N script.py` (or torchrun) and call "
                                "torch.distributed.init_process_group() before Pipeline(...)")
         if isinstance(schedule, str):
             options["schedule"] = schedule
-        config = dataclasses.replace(config or PipelineConfig(), **options)
+        config = config or PipelineConfig()
+        if plan is not None:  # the plan file, then the options given here
+            config = _with_plan(config, read_plan(plan))
+        config = dataclasses.replace(config, **options)
+        if os.environ.get(PLAN_ENV):  # `conveyor run --plan FILE` overrides the script
+            config = _with_plan(config, read_plan(os.environ[PLAN_ENV]))
+            logger.info("using the plan in %s (conveyor run --plan)", os.environ[PLAN_ENV])
+        if os.environ.get(TRACE_ENV) and config.trace_dir is None:  # conveyor run --trace DIR
+            config = dataclasses.replace(config, trace_dir=os.environ[TRACE_ENV])
         self.config = config
         self.group = group
         self.rank = dist.get_rank(group)
@@ -63,6 +76,11 @@ class Pipeline:
                              f"process group has {self.num_ranks}; launch with "
                              f"`conveyor run -n {self.graph.num_ranks}` or change the split")
         self.topology = self.graph.topology()
+        if config.stage_checkpoint is not None and \
+                len(config.stage_checkpoint) != self.graph.num_stages:
+            raise ValueError(f"stage_checkpoint {list(config.stage_checkpoint)} has "
+                             f"{len(config.stage_checkpoint)} modes for {self.graph.num_stages} "
+                             "stages; give one mode per stage")
         self.program = build_program(schedule if callable(schedule) else config.schedule,
                                      self.topology, config.num_microbatches)
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
@@ -71,8 +89,11 @@ class Pipeline:
         self._check_untied()
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(self.graph, self.rank, p2p, self.device, loss_fn,
-                                config.checkpoint, config.seed)
+                                config.stage_checkpoint or config.checkpoint, config.seed)
         self.step_index = 0
+        self._recorder: Recorder | None = None
+        if config.trace or config.trace_dir:
+            self._start_trace(p2p)
         if self.rank == 0:
             logger.info("%s", self.describe())
 
@@ -84,7 +105,18 @@ class Pipeline:
         Returns the batch's loss (detached) on the rank that holds the last stage, None on the
         others. Call the optimizer and ``zero_grad`` as in plain training.
         """
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.begin_step(self.step_index)
+        if self.loss_fn is None or targets is None:
+            raise ValueError(f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
+                             f"and targets to step() (loss_fn is "
+                             f"{'set' if self.loss_fn else 'None'}, targets is "
+                             f"{'set' if targets is not None else 'None'}); use forward() "
+                             "for inference")
         state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
+        if recorder is not None:
+            recorder.end_step()
         self.step_index += 1
         if not state.losses:
             return None
@@ -100,6 +132,43 @@ class Pipeline:
         return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
 
     __call__ = forward
+
+    # -- timelines -------------------------------------------------------------------------
+
+    def timeline(self, step: int = -1) -> Timeline:
+        """Every rank's events of one recorded training step (default: the last one).
+
+        Collective: call it on every rank of the group; each gets the whole Timeline. Needs
+        ``trace=True`` (or ``trace_dir``). Times are seconds from the step's first event.
+        """
+        if self._recorder is None:
+            raise RuntimeError("this Pipeline records no timeline; create it with trace=True "
+                               "(or trace_dir=DIR, or run under `conveyor run --trace DIR`)")
+        part = self._recorder.timeline(self.num_ranks, step)
+        parts: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(parts, part, group=self.group)
+        return merge(parts, self._trace_meta())
+
+    def _trace_meta(self) -> dict[str, Any]:
+        return {"schedule": self.config.schedule, "microbatches": self.config.num_microbatches,
+                "ranks": self.num_ranks, "split_points": list(self.split_points),
+                "checkpoint": list(self.config.stage_checkpoint or [self.config.checkpoint])}
+
+    def _start_trace(self, p2p: P2P) -> None:
+        recorder = Recorder(self.rank)
+        self._runtime.recorder = recorder
+        p2p.recorder = recorder
+        self._recorder = recorder
+        if self.config.trace_dir:
+            directory = os.path.abspath(self.config.trace_dir)
+            os.makedirs(directory, exist_ok=True)
+            sink = open(os.path.join(directory, f"rank{self.rank}.jsonl"), "w")  # noqa: SIM115
+            sink.write(json.dumps({**recorder.header(), "meta": self._trace_meta()}) + "\n")
+            recorder.sink = sink
+            weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
+            if self.rank == 0:
+                logger.info("tracing to %s; render with `conveyor trace %s`", directory,
+                            self.config.trace_dir)
 
     def _inputs(self, inputs: Any, targets: Any, is_training: bool) -> StepInputs:
         m = self.config.num_microbatches
@@ -184,6 +253,21 @@ class Pipeline:
             raise ValueError(f"parameters {sorted(shared)[:4]} are used by stages on different "
                              "ranks (tied weights); tie them explicitly or keep their users on "
                              "one rank")
+
+
+PLAN_ENV = "CONVEYOR_PLAN"
+"""Environment variable `conveyor run --plan FILE` sets: the plan every Pipeline then uses."""
+TRACE_ENV = "CONVEYOR_TRACE_DIR"
+"""Environment variable `conveyor run --trace DIR` sets: every Pipeline then traces to DIR."""
+
+
+def _with_plan(config: PipelineConfig, fields: dict[str, Any]) -> PipelineConfig:
+    """``config`` with a plan's fields; a plan's balance replaces split points and back."""
+    if "balance" in fields:
+        config = dataclasses.replace(config, split_points=None)
+    if "split_points" in fields:
+        config = dataclasses.replace(config, balance=None)
+    return dataclasses.replace(config, **fields)
 
 
 def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> tuple[str, ...]:

@@ -61,13 +61,15 @@ class Runtime:
     """Runs one rank's actions over its local stages, talking to peers through ``P2P``."""
 
     def __init__(self, graph: StageGraph, rank: int, p2p: P2P, device: torch.device,
-                 loss_fn: LossFn | None, checkpoint: CheckpointMode, seed: int) -> None:
+                 loss_fn: LossFn | None, checkpoint: CheckpointMode | Sequence[CheckpointMode],
+                 seed: int) -> None:
         self.graph = graph
         self.rank = rank
         self.p2p = p2p
         self.device = device
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
+        """One mode for every stage, or one per stage (indexed by stage)."""
         self.seed = seed
         self.modules: dict[int, nn.Module] = {}
         for s in graph.stages_on(rank):
@@ -114,7 +116,7 @@ class Runtime:
         end: list[RngState] = []
         with (rng_stream(self._rng_start(s, k, received), self.device, end),
               self.meter.saving((s, k))):
-            if self._is_recomputed(k):
+            if self._is_recomputed(k, s):
                 out = recompute(self.modules[s], *args, use_reentrant=False)
             else:
                 out = self.modules[s](*args)
@@ -168,10 +170,11 @@ class Runtime:
         cpu, *device = received[parent]["rng"]
         return RngState(cpu.cpu(), device[0] if device else None)
 
-    def _is_recomputed(self, k: int) -> bool:
-        if not self._step.is_training or self.checkpoint == "never":
+    def _is_recomputed(self, k: int, s: int) -> bool:
+        mode = self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[s]
+        if not self._step.is_training or mode == "never":
             return False
-        return self.checkpoint == "always" or k < len(self._step.microbatches) - 1
+        return mode == "always" or k < len(self._step.microbatches) - 1
 
     # -- backward ------------------------------------------------------------------------
 

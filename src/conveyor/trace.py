@@ -1,14 +1,39 @@
-"""Timeline: what each rank did (measured) or would do (predicted), action by action."""
+"""Timeline: what each rank did (measured) or would do (predicted), action by action.
+
+    pipe = conveyor.Pipeline(model, trace=True, ...); pipe.step(x, y)
+    timeline = pipe.timeline()          # collective: every rank's events of the last step
+    print(timeline.summary()); write_png(timeline, "step.png"); write_chrome(timeline, "step.json")
+
+A measured Timeline comes from a ``Recorder`` hooked into the runtime; a predicted one from
+``conveyor.simulate``. Both hold the same events, so one renderer draws both, side by side.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Event", "Recorder", "Timeline", "render_grid"]
+__all__ = [
+    "WAIT", "Event", "RankSummary", "Recorder", "Timeline", "chrome_trace", "load_run", "merge",
+    "render_grid", "write_chrome", "write_png",
+]
 
 logger = logging.getLogger(__name__)
+
+WAIT = "wait"
+"""Action name prefix of a wait: ``wait 1RF0<0`` is time blocked on that receive,
+``wait sends`` the wait for outstanding sends at the end of a step."""
+
+_ACTION = re.compile(r"^(\d+)(F|B|I|W|SF|RF|SB|RB)(\d+)(?:[<>](\d+))?$")
+_KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
+               "SF": "send", "SB": "send", "RF": "recv", "RB": "recv"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,16 +42,63 @@ class Event:
 
     rank: int
     action: str
+    """The action's text form (``1F0``, ``0SF0>1``), or ``wait <receive>`` / ``wait sends``."""
     start: float
     end: float
     bytes: int = 0
-    """Bytes sent or received (communication actions)."""
+    """Bytes sent (sends) or received (waits on a receive)."""
     memory: int = 0
     """Activation bytes this rank holds when the action ends."""
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def kind(self) -> str:
+        """'forward', 'backward', 'backward_input', 'backward_weight', 'send', 'recv', 'wait'."""
+        if self.action.startswith(WAIT):
+            return "wait"
+        match = _ACTION.match(self.action)
+        return _KIND_NAMES[match.group(2)] if match else "other"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in ("forward", "backward", "backward_input", "backward_weight")
+
+    @property
+    def microbatch(self) -> int | None:
+        match = _ACTION.match(self.action)
+        return int(match.group(3)) if match else None
+
+    @property
+    def stage(self) -> int | None:
+        match = _ACTION.match(self.action)
+        return int(match.group(1)) if match else None
+
+    @property
+    def waited_for(self) -> str | None:
+        """The receive a wait blocked on (``1RF0<0``), None for other events."""
+        if not self.action.startswith(WAIT + " "):
+            return None
+        target = self.action[len(WAIT) + 1:]
+        return target if _ACTION.match(target) else None
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """Where one rank's step went, as shares of the step time (they sum to 1)."""
+
+    rank: int
+    busy: float
+    """Computing: forward, backward and weight-gradient actions."""
+    comm_wait: float
+    """Blocked on a message its sender had already sent (transfer time), on posting and
+    starting transfers, and on outstanding sends at the end of the step."""
+    bubble: float
+    """Everything else: idle, mostly waiting for a peer to compute what this rank needs."""
+    peak_memory: int
+    """Most activation bytes held at once."""
 
 
 @dataclass
@@ -37,15 +109,21 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     source: str = "measured"
     """'measured' or 'simulated'."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """What ran: schedule, micro-batches, model, ... (shown in titles, kept in files)."""
 
     def on(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
 
     @property
+    def start(self) -> float:
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
     def step_time(self) -> float:
         if not self.events:
             return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        return max(e.end for e in self.events) - self.start
 
     def busy_time(self, rank: int) -> float:
         """Seconds ``rank`` spent in compute actions (forward and backward)."""
@@ -59,25 +137,231 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy_time(r) for r in range(self.num_ranks)) / total
 
+    def peak_memory(self, rank: int) -> int:
+        """Most activation bytes ``rank`` held at the end of any of its actions."""
+        return max((e.memory for e in self.on(rank)), default=0)
+
+    def comm_wait_time(self, rank: int) -> float:
+        """Seconds ``rank`` was blocked on communication rather than on a peer's compute.
+
+        A wait on a receive counts from the moment the sender started the matching send (before
+        that, the rank waits for the peer's compute: a bubble); sends, posted receives and the
+        final wait for outstanding sends count whole.
+        """
+        sends = {e.action: e.start for e in self.events if e.kind == "send"}
+        total = 0.0
+        for event in self.on(rank):
+            if event.kind in ("send", "recv"):
+                total += event.duration
+            elif event.kind == "wait":
+                target = event.waited_for
+                sent = sends.get(_matching_send(target)) if target else None
+                begin = event.start if sent is None else max(event.start, sent)
+                total += max(0.0, event.end - begin)
+        return total
+
+    def summary(self) -> list[RankSummary]:
+        """Per rank: busy, communication-wait and bubble shares of the step, and peak memory."""
+        step = self.step_time
+        rows = []
+        for rank in range(self.num_ranks):
+            busy = self.busy_time(rank) / step if step else 0.0
+            comm = min(self.comm_wait_time(rank) / step, 1.0 - busy) if step else 0.0
+            rows.append(RankSummary(rank, busy, comm, max(0.0, 1.0 - busy - comm),
+                                    self.peak_memory(rank)))
+        return rows
+
+    def summary_text(self) -> str:
+        """The summary as a small table, with the step time and bubble fraction on top."""
+        lines = [f"{self.title()}",
+                 f"{'rank':>4}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}"]
+        for row in self.summary():
+            lines.append(f"{row.rank:>4}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
+                         f"{row.comm_wait:>9.1%}  {_bytes(row.peak_memory):>10}")
+        return "\n".join(lines)
+
+    def title(self) -> str:
+        """One line: source, what ran, step time and bubble fraction."""
+        what = " ".join(f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches")
+                        if k in self.meta)
+        return (f"{self.source}{' ' + what if what else ''}: step {_seconds(self.step_time)}, "
+                f"bubble {self.bubble_fraction:.1%}")
+
+    def shifted(self, origin: float) -> Timeline:
+        """The same events with times measured from ``origin``."""
+        events = [Event(e.rank, e.action, e.start - origin, e.end - origin, e.bytes, e.memory)
+                  for e in self.events]
+        return Timeline(self.num_ranks, events, self.source, dict(self.meta))
+
+    # -- files -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_ranks": self.num_ranks, "source": self.source, "meta": self.meta,
+                "events": [[e.rank, e.action, e.start, e.end, e.bytes, e.memory]
+                           for e in self.events]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        events = [Event(int(r), str(a), float(s), float(e), int(b), int(m))
+                  for r, a, s, e, b, m in data["events"]]
+        return cls(int(data["num_ranks"]), events, str(data.get("source", "measured")),
+                   dict(data.get("meta", {})))
+
+    def save(self, path: str | Path) -> None:
+        """Write the timeline as JSON (``Timeline.load`` reads it back)."""
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Timeline:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
 
 def _is_compute(action: str) -> bool:
-    letters = "".join(c for c in action if c.isalpha())
-    return len(letters) == 1
+    match = _ACTION.match(action)
+    return match is not None and len(match.group(2)) == 1
+
+
+def _matching_send(recv: str) -> str:
+    """``1RF0<0`` -> ``0SF0>1``: the send that a receive gets."""
+    match = _ACTION.match(recv)
+    assert match is not None and match.group(4) is not None
+    stage, kind, microbatch, peer = match.groups()
+    return f"{peer}S{kind[1]}{microbatch}>{stage}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.2f} ms" if value < 10 else f"{value:.4g} units"
+
+
+def _bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # unreachable; keeps type checkers content
+
+
+# -- recording -------------------------------------------------------------------------------
 
 
 class Recorder:
-    """Collects one rank's events during a run; times are seconds on a monotonic clock."""
+    """Collects one rank's events during a run, step by step.
 
-    def __init__(self, rank: int) -> None:
+    Times are ``time.perf_counter()`` readings; ``clock_offset`` turns them into wall-clock
+    seconds, so ranks on other hosts line up (to the hosts' clock agreement; ranks on one host
+    share the monotonic clock and line up exactly). The runtime calls ``add`` after every
+    action, and ``conveyor.comm.P2P`` calls ``wait`` and ``sent`` from inside transfers.
+    """
+
+    def __init__(self, rank: int, keep: int = 64) -> None:
         self.rank = rank
+        self.keep = keep
+        """Steps kept in memory (older ones are dropped; a sink file keeps them all)."""
+        self.clock_offset = time.time() - time.perf_counter()
+        self.host = socket.gethostname()
         self.events: list[Event] = []
+        """The current step's events (perf_counter times)."""
+        self.steps: list[tuple[int, list[Event]]] = []
+        """Finished steps: (step index, events), oldest first."""
+        self.sink: Any = None
+        """An open text file that receives one JSON line per finished step, or None."""
+        self._step_index = 0
+        self._pending_bytes = 0
+        self._wait_end = 0.0
 
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()
+    now = staticmethod(time.perf_counter)
+
+    def begin_step(self, index: int) -> None:
+        self._step_index = index
+        self.events = []
+
+    def end_step(self) -> None:
+        """Close the current step: keep it, and write it to the sink if there is one."""
+        self.steps.append((self._step_index, self.events))
+        del self.steps[:-self.keep]
+        if self.sink is not None:
+            rows = [[e.action, e.start + self.clock_offset, e.end + self.clock_offset, e.bytes,
+                     e.memory] for e in self.events]
+            self.sink.write(json.dumps({"step": self._step_index, "events": rows}) + "\n")
+        self.events = []
 
     def add(self, action: str, start: float, end: float, bytes: int = 0, memory: int = 0) -> None:
+        """Record an action; a compute action starts when the waits inside it ended."""
+        if self._wait_end > start and _is_compute(action):
+            start = self._wait_end
+        bytes, self._pending_bytes = bytes + self._pending_bytes, 0
         self.events.append(Event(self.rank, action, start, end, bytes, memory))
+
+    def wait(self, describe: str, start: float, end: float, bytes: int = 0) -> None:
+        """Record time blocked on ``describe`` (a receive's action text, or 'sends')."""
+        self.events.append(Event(self.rank, f"{WAIT} {describe}", start, end, bytes))
+        self._wait_end = end
+
+    def sent(self, num_bytes: int) -> None:
+        """Bytes handed to the transport by the action now running."""
+        self._pending_bytes += num_bytes
+
+    def header(self) -> dict[str, Any]:
+        """The first line of this rank's trace file."""
+        return {"rank": self.rank, "host": self.host, "clock_offset": self.clock_offset}
+
+    def timeline(self, num_ranks: int, step: int = -1) -> Timeline:
+        """This rank's events of one kept step (default: the last), times in wall-clock seconds."""
+        if not self.steps:
+            raise RuntimeError(f"rank {self.rank}: no step recorded yet; run a step with "
+                               "tracing on first (Pipeline(..., trace=True))")
+        _, events = self.steps[step]
+        moved = [Event(e.rank, e.action, e.start + self.clock_offset, e.end + self.clock_offset,
+                       e.bytes, e.memory) for e in events]
+        return Timeline(num_ranks, moved)
+
+
+def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Timeline:
+    """One Timeline from per-rank parts of the same step, timed from the earliest event."""
+    events = sorted((e for part in parts for e in part.events), key=lambda e: (e.rank, e.start))
+    num_ranks = max((p.num_ranks for p in parts), default=0)
+    merged = Timeline(num_ranks, events, "measured", dict(meta or {}))
+    return merged.shifted(merged.start)
+
+
+def load_run(directory: str | Path, step: int | None = None) -> Timeline:
+    """The Timeline of one step of a run recorded with ``--trace DIR`` (default: the last step
+    every rank recorded).
+
+    Raises:
+        FileNotFoundError: the directory holds no ``rank*.jsonl`` files.
+        ValueError: the requested step was not recorded by every rank.
+    """
+    files = sorted(Path(directory).glob("rank*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no trace files (rank*.jsonl) in {str(directory)!r}; record "
+                                "a run with `conveyor run --trace DIR` or "
+                                "`conveyor demo --trace DIR`")
+    per_rank: dict[int, dict[int, list[Any]]] = {}
+    meta: dict[str, Any] = {}
+    for path in files:
+        lines = path.read_text().splitlines()
+        head = json.loads(lines[0])
+        meta.update(head.get("meta", {}))
+        per_rank[int(head["rank"])] = {
+            row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))}
+    num_ranks = int(meta.get("ranks", 1 + max(per_rank)))
+    common = set.intersection(*(set(steps) for steps in per_rank.values()))
+    if len(per_rank) < num_ranks:
+        raise ValueError(f"{str(directory)!r} holds trace files of ranks {sorted(per_rank)}, but "
+                         f"the run had {num_ranks} ranks; copy every rank's rank<N>.jsonl there")
+    if not common:
+        raise ValueError(f"the ranks in {str(directory)!r} recorded no step in common")
+    chosen = max(common) if step is None else step
+    if chosen not in common:
+        raise ValueError(f"step {chosen} was not recorded by every rank; recorded steps: "
+                         f"{min(common)}..{max(common)}")
+    parts = [Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
+             for rank, rows in per_rank.items()]
+    return merge(parts, {**meta, "step": chosen})
+
+
+# -- renderers -------------------------------------------------------------------------------
 
 
 def render_grid(timeline: Timeline) -> str:
@@ -99,3 +383,109 @@ def render_grid(timeline: Timeline) -> str:
                 cells[column] = event.action
         lines.append(f"rank {rank} | " + " ".join(c.center(width) for c in cells))
     return "\n".join(lines)
+
+
+def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
+    """Chrome / Perfetto trace JSON: one track per rank (per timeline), times in microseconds.
+
+    Open the file at https://ui.perfetto.dev or chrome://tracing. Several timelines (say,
+    measured and predicted) become separate groups of tracks.
+    """
+    events: list[dict[str, Any]] = []
+    for index, timeline in enumerate(timelines):
+        origin = timeline.start
+        for rank in range(timeline.num_ranks):
+            pid = index * timeline.num_ranks + rank if len(timelines) > 1 else rank
+            name = f"{timeline.source} rank {rank}" if len(timelines) > 1 else f"rank {rank}"
+            events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                           "args": {"name": name}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                           "args": {"sort_index": pid}})
+            for e in timeline.on(rank):
+                args: dict[str, Any] = {"memory_bytes": e.memory}
+                if e.bytes:
+                    args["bytes"] = e.bytes
+                if e.microbatch is not None:
+                    args["microbatch"] = e.microbatch
+                events.append({"name": e.action, "cat": e.kind, "ph": "X", "pid": pid,
+                               "tid": 0, "ts": (e.start - origin) * 1e6,
+                               "dur": max(e.duration, 0.0) * 1e6, "args": args})
+                if e.is_compute:
+                    events.append({"name": "activation memory", "ph": "C", "pid": pid,
+                                   "ts": (e.end - origin) * 1e6, "args": {"bytes": e.memory}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "metadata": {"conveyor": [t.title() for t in timelines]}}
+
+
+def write_chrome(path: str | Path, *timelines: Timeline) -> Path:
+    """Write ``chrome_trace(*timelines)`` to ``path``; returns the path."""
+    target = Path(path)
+    target.write_text(json.dumps(chrome_trace(*timelines)))
+    return target
+
+
+_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "backward_input": "#8FBC5A",
+           "backward_weight": "#2E7D4F", "send": "#C44E52", "recv": "#DD8452",
+           "wait": "#D0D0D0", "other": "#999999"}
+
+
+def write_png(path: str | Path, *timelines: Timeline, title: str | None = None,
+              scale: float | None = None) -> Path:
+    """A Gantt chart per timeline, stacked (measured above predicted, say), sharing the x axis.
+
+    Compute blocks carry their micro-batch number; white space is the bubble; waits on peers
+    are thin grey bars and sends/receives thin red/orange ticks under each row. The title of
+    each chart gives its step time and bubble fraction.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not timelines:
+        raise ValueError("write_png needs at least one timeline")
+    unit = scale if scale is not None else (1e3 if max(t.step_time for t in timelines) < 10
+                                            else 1.0)
+    span = max(t.step_time for t in timelines) * unit
+    rows = sum(t.num_ranks for t in timelines)
+    fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,
+                             figsize=(12, 1.0 + 0.45 * rows + 0.6 * len(timelines)))
+    for ax, timeline in zip(axes[:, 0], timelines, strict=True):
+        _gantt(ax, timeline, unit, span)
+    axes[-1, 0].set_xlabel("time (ms)" if unit == 1e3 else "time (units)")
+    handles = [Patch(color=_COLORS[k], label=k.replace("_", " ")) for k in
+               ("forward", "backward", "backward_input", "backward_weight", "wait", "send",
+                "recv") if any(e.kind == k for t in timelines for e in t.events)]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    target = Path(path)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target
+
+
+def _gantt(ax: Any, timeline: Timeline, unit: float, span: float) -> None:
+    origin = timeline.start
+    min_label = span / 60  # a block narrower than this gets no number
+    for rank in range(timeline.num_ranks):
+        y = timeline.num_ranks - 1 - rank
+        for e in timeline.on(rank):
+            left, width = (e.start - origin) * unit, e.duration * unit
+            if e.is_compute:
+                ax.barh(y, width, left=left, height=0.8, color=_COLORS[e.kind],
+                        edgecolor="white", linewidth=0.4)
+                if width >= min_label and e.microbatch is not None:
+                    ax.text(left + width / 2, y, str(e.microbatch), ha="center",
+                            va="center", fontsize=7, color="white")
+            elif e.kind == "wait":
+                ax.barh(y - 0.3, width, left=left, height=0.12, color=_COLORS["wait"])
+            else:
+                ax.barh(y - 0.43, max(width, span / 2000), left=left, height=0.1,
+                        color=_COLORS[e.kind])
+    ax.set_yticks(range(timeline.num_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+    ax.set_xlim(0, span * 1.01)
+    ax.set_title(timeline.title(), fontsize=10)
