@@ -50,6 +50,7 @@ def test_demo_trains(capfd: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.dist
 def test_run_launches_a_script_on_every_rank(capfd: pytest.CaptureFixture[str]) -> None:
-    assert main(["run", "-n", "2", str(ROOT / "examples" / "train_gpt.py"), "--steps", "10"]) == 0
+    script = str(ROOT / "examples" / "train_gpt.py")
+    assert main(["run", "-n", "2", "--max-restarts", "0", script, "--steps", "10"]) == 0
     out = capfd.readouterr()
     assert "step 10 | loss" in out.out + out.err

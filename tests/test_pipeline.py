@@ -236,3 +236,46 @@ def _lost_peer(rank: int, world_size: int) -> None:
 
 def test_lost_peer_fails_the_other_rank_naming_it(tmp_path: Path) -> None:
     run_ranks(_lost_peer, tmp_path, 2, timeout_s=90)
+
+
+def _bad_input(rank: int, world_size: int) -> None:
+    model, x = tiny(4), torch.randn(4, 8, dtype=torch.float64)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"balance": (3, 3, 2)}, "places stages on 3 ranks but the process group has 2"),
+        ({"balance": (3, 4)}, "sum to 8"),
+        ({"split_points": ("9",)}, "split point '9' is not a submodule"),
+        ({"schedule": "ifib"}, "unknown schedule 'ifib'"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            conveyor.Pipeline(model, loss_fn=F.mse_loss, **options)
+    pipe = conveyor.Pipeline(model, num_microbatches=8, loss_fn=F.mse_loss, timeout_s=10)
+    with pytest.raises(ValueError, match="at least 8 samples"):
+        pipe.step(x, x)
+    with pytest.raises(ValueError, match="loss_fn is set, targets is None"):
+        pipe.step(x)
+    unlossy = conveyor.Pipeline(model, num_microbatches=2, timeout_s=10)
+    with pytest.raises(ValueError, match="needs a loss"):
+        unlossy.step(x, x)
+    pipe = conveyor.Pipeline(model, num_microbatches=2, loss_fn=F.mse_loss, timeout_s=10)
+    pipe.step(x, x)  # nothing above left a message in flight
+
+
+def test_bad_input_fails_before_any_communication(tmp_path: Path) -> None:
+    run_ranks(_bad_input, tmp_path, 2, timeout_s=60)
+
+
+def _hung_peer(rank: int, world_size: int) -> None:
+    pipe = conveyor.Pipeline(tiny(4), num_microbatches=2, loss_fn=F.mse_loss, timeout_s=3)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    if rank == 1:
+        time.sleep(12)  # hangs mid-run (say, stuck in a data loader)
+        return
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"lost rank 1 while receiving 0RB\d<1"):
+        pipe.step(x, x)
+    assert time.monotonic() - start < 10
+
+
+def test_hung_peer_fails_the_other_rank_after_the_timeout(tmp_path: Path) -> None:
+    run_ranks(_hung_peer, tmp_path, 2, timeout_s=60)

@@ -51,10 +51,16 @@ def _parser() -> argparse.ArgumentParser:
                         choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    run = commands.add_parser("run", help="run a script on N local ranks under torchrun")
-    run.add_argument("-n", "--nproc", type=int, default=2, help="ranks to start (default 2)")
-    run.add_argument("script", help="Python script to run on every rank")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run = commands.add_parser(
+        "run", help="run a script on N local ranks under torchrun",
+        description="Start a script on every rank with torchrun. Any torchrun option before "
+        "the script is passed through (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts, "
+        "...); without a rendezvous endpoint the ranks run on this machine (--standalone).",
+        usage="conveyor run [-n N] [torchrun options] script.py [script args]")
+    run.add_argument("-n", "--nproc", type=int, default=2,
+                     help="ranks per node (torchrun --nproc-per-node; default 2)")
+    run.add_argument("torchrun_args", nargs=argparse.REMAINDER,
+                     help="torchrun options, then the script and its arguments")
     run.set_defaults(command=_run)
 
     demo = commands.add_parser("demo", help="train the shipped GPT, pipelined over local ranks")
@@ -78,9 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.nproc < 1:
         raise ValueError(f"-n must be >= 1, got {args.nproc}")
-    if not Path(args.script).is_file():
-        raise FileNotFoundError(f"script {args.script!r} not found")
-    return _torchrun(["--nproc-per-node", str(args.nproc), args.script, *args.script_args])
+    return _torchrun(["--nproc-per-node", str(args.nproc), *args.torchrun_args])
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -103,11 +107,21 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+_MULTI_NODE = ("--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
+               "--nnodes", "--standalone")
+
+
 def _torchrun(arguments: list[str]) -> int:
-    """Start ranks with torchrun (torch.distributed.run) on this machine."""
+    """Start ranks with torchrun (torch.distributed.run); this machine alone unless the
+    arguments name a rendezvous."""
     from torch.distributed.run import get_args_parser, run
 
-    launch = get_args_parser().parse_args(["--standalone", *arguments])
+    if not any(a.split("=")[0] in _MULTI_NODE for a in arguments):
+        arguments = ["--standalone", *arguments]
+    launch = get_args_parser().parse_args(arguments)
+    if not launch.module and not Path(launch.training_script).is_file():
+        raise FileNotFoundError(f"script {launch.training_script!r} not found; usage: conveyor "
+                                "run -n N [torchrun options] script.py [script args]")
     try:
         run(launch)
     except Exception as error:  # torchrun's ChildFailedError already printed each rank's error

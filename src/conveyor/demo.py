@@ -11,14 +11,16 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from conveyor.config import PipelineConfig
-from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.models import gpt, gpt_loss, text_batches, unigram_entropy
 from conveyor.pipeline import Pipeline
 
 __all__ = ["DemoConfig", "train"]
@@ -32,7 +34,7 @@ class DemoConfig:
 
     ranks: int = 2
     """Processes (pipeline ranks) to start."""
-    steps: int = 60
+    steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
     """Sequences per step."""
@@ -44,8 +46,8 @@ class DemoConfig:
     """Transformer blocks (the model has two more layers: embedding and head)."""
     lr: float = 3e-3
     """AdamW learning rate."""
-    log_every: int = 10
-    """Steps between progress lines."""
+    log_every: int = 50
+    """Steps between progress log lines (the progress bar updates every step)."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "steps", "batch_size", "seq_len", "dim", "num_layers", "log_every"):
@@ -54,25 +56,44 @@ class DemoConfig:
 
 
 def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
-    """Train on this rank (torch.distributed must be initialized); returns the loss log on the
-    rank that holds the last stage, an empty list elsewhere."""
+    """Train on this rank (torch.distributed must be initialized); returns every step's loss
+    on the rank that holds the last stage, an empty list elsewhere."""
     torch.manual_seed(0)
     model = gpt(seq_len=demo.seq_len, dim=demo.dim, num_layers=demo.num_layers)
     pipe = Pipeline(model, pipeline, loss_fn=gpt_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=demo.lr)
     batches = text_batches(demo.batch_size, demo.seq_len, demo.steps)
+    is_last = pipe.rank == pipe.graph.rank_of(pipe.graph.sink)
+    tokens = demo.batch_size * demo.seq_len
     losses: list[float] = []
     start = time.perf_counter()
-    for step, (inputs, targets) in enumerate(batches, start=1):
-        loss = pipe.step(inputs, targets)
-        optimizer.step()
-        optimizer.zero_grad()
-        if loss is not None and (step % demo.log_every == 0 or step == demo.steps):
-            losses.append(loss.item())  # a sync point: only on logging steps
-            elapsed = (time.perf_counter() - start) / step
-            logger.info("step %d/%d | loss %.4f | %.1f ms/step | %.1fk samples/s", step,
-                        demo.steps, losses[-1], elapsed * 1e3, demo.batch_size / elapsed / 1e3)
+    with tqdm(total=demo.steps, disable=not is_last, unit="step", dynamic_ncols=True) as bar:
+        for step, (inputs, targets) in enumerate(batches, start=1):
+            loss = pipe.step(inputs, targets)
+            optimizer.step()
+            optimizer.zero_grad()
+            if loss is None:
+                continue
+            losses.append(loss.item())  # free here: this rank computed the loss itself
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens * step / elapsed:,.0f}")
+            bar.update()
+            if step % demo.log_every == 0:
+                logger.info("step %d/%d | loss %.4f | %.1f ms/step | %.1fk tokens/s", step,
+                            demo.steps, losses[-1], elapsed / step * 1e3,
+                            tokens * step / elapsed / 1e3)
+    if is_last:
+        _summary(demo, pipe, losses, time.perf_counter() - start)
     return losses
+
+
+def _summary(demo: DemoConfig, pipe: Pipeline, losses: list[float], seconds: float) -> None:
+    tail = losses[-min(10, len(losses)):]
+    logger.info(
+        "done: %d steps in %.1f s (%.0f tokens/s) | loss %.3f -> %.3f (mean of last %d) | "
+        "unigram entropy of the text %.3f nats, uniform %.3f | %s", demo.steps, seconds,
+        demo.steps * demo.batch_size * demo.seq_len / seconds, losses[0], sum(tail) / len(tail),
+        len(tail), unigram_entropy(), math.log(96), pipe.describe())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-__all__ = ["Block", "Embedding", "Head", "char_corpus", "gpt", "gpt_loss", "text_batches"]
+__all__ = [
+    "Block", "Embedding", "Head", "char_corpus", "char_ids", "gpt", "gpt_loss", "text_batches",
+    "unigram_entropy",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,19 @@ def char_corpus() -> str:
     return "\n".join((root / name).read_text(encoding="utf-8") for name in names)
 
 
+def char_ids(vocab_size: int = 96) -> torch.Tensor:
+    """``char_corpus`` as token ids: ``ord(c) - 32`` clipped to the vocabulary."""
+    return torch.tensor([min(max(ord(c) - 32, 0), vocab_size - 1) for c in char_corpus()])
+
+
+def unigram_entropy(vocab_size: int = 96) -> float:
+    """Entropy (nats) of the corpus's character frequencies: the loss of a model that
+    ignores context. A language model that learns anything goes well below it."""
+    counts = torch.bincount(char_ids(vocab_size), minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
 def text_batches(batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 96,
                  seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, next-token targets) batches of printable characters from ``char_corpus``.
@@ -99,7 +115,7 @@ def text_batches(batch_size: int, seq_len: int, num_batches: int, vocab_size: in
     Characters map to ``ord(c) - 32`` clipped to the vocabulary; windows start at random
     offsets drawn from ``seed``, so the same arguments give the same batches.
     """
-    ids = torch.tensor([min(max(ord(c) - 32, 0), vocab_size - 1) for c in char_corpus()])
+    ids = char_ids(vocab_size)
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(num_batches):
