@@ -53,15 +53,15 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="run a script on N local ranks under torchrun",
-        description="Start a script on every rank with torchrun. Any torchrun option before "
-        "the script is passed through (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts, "
-        "...); without a rendezvous endpoint the ranks run on this machine (--standalone).",
-        usage="conveyor run [-n N] [torchrun options] script.py [script args]")
-    run.add_argument("-n", "--nproc", type=int, default=2,
-                     help="ranks per node (torchrun --nproc-per-node; default 2)")
+        description="Start a script on every rank with torchrun. Options before the script are "
+        "torchrun's (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts, ...), plus -n N "
+        "for --nproc-per-node (default 2); without a rendezvous endpoint the ranks run on this "
+        "machine (--standalone).",
+        usage="conveyor run [-n N] [torchrun options] script.py [script args]",
+        prefix_chars="+", add_help=False)  # every token goes to torchrun's own parser
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER,
-                     help="torchrun options, then the script and its arguments")
-    run.set_defaults(command=_run)
+                     help="[-n N] [torchrun options] script.py [script args]")
+    run.set_defaults(command=_run, run_parser=run)
 
     demo = commands.add_parser("demo", help="train the shipped GPT, pipelined over local ranks")
     demo.add_argument("--config", type=Path, help="TOML file with demo and pipeline fields")
@@ -82,9 +82,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    if args.nproc < 1:
-        raise ValueError(f"-n must be >= 1, got {args.nproc}")
-    return _torchrun(["--nproc-per-node", str(args.nproc), *args.torchrun_args])
+    if not args.torchrun_args or args.torchrun_args[0] in ("-h", "--help"):
+        args.run_parser.print_help()
+        return 0
+    return _torchrun(args.torchrun_args)
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -118,10 +119,14 @@ def _torchrun(arguments: list[str]) -> int:
 
     if not any(a.split("=")[0] in _MULTI_NODE for a in arguments):
         arguments = ["--standalone", *arguments]
-    launch = get_args_parser().parse_args(arguments)
+    launcher = get_args_parser()
+    launcher.add_argument("-n", dest="nproc_per_node", default="2", help="ranks per node")
+    launch = launcher.parse_args(arguments)
+    if int(launch.nproc_per_node) < 1:
+        raise ValueError(f"-n must be >= 1, got {launch.nproc_per_node}")
     if not launch.module and not Path(launch.training_script).is_file():
         raise FileNotFoundError(f"script {launch.training_script!r} not found; usage: conveyor "
-                                "run -n N [torchrun options] script.py [script args]")
+                                "run [-n N] [torchrun options] script.py [script args]")
     try:
         run(launch)
     except Exception as error:  # torchrun's ChildFailedError already printed each rank's error
