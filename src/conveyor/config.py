@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["CHECKPOINT_MODES", "PipelineConfig", "read_plan"]
+__all__ = ["CHECKPOINT_DIR_ENV", "CHECKPOINT_MODES", "CheckpointConfig", "PipelineConfig",
+           "read_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +105,38 @@ def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"plan file {str(path)!r} sets unknown fields {unknown}; expected "
                          f"PipelineConfig fields {sorted(known)}")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+
+
+CHECKPOINT_DIR_ENV = "CONVEYOR_CHECKPOINT_DIR"
+"""Set by ``conveyor run --checkpoint-dir DIR``; the default CheckpointConfig.directory."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where, how often and how training checkpoints are written and loaded (conveyor.checkpoint)."""
+
+    directory: str | None = None
+    """Directory of the run's checkpoints; default: $CONVEYOR_CHECKPOINT_DIR, which
+    `conveyor run --checkpoint-dir DIR` sets."""
+    every: int = 100
+    """Steps between the checkpoints Checkpointer.maybe_save writes."""
+    keep: int = 3
+    """Newest complete checkpoints to keep; older ones are deleted only after a newer one is
+    complete. 0 keeps all."""
+    async_save: bool = True
+    """Write in the background: training blocks only for an in-memory snapshot."""
+    allow_reshard: bool = False
+    """Load a checkpoint saved with another split, placement or number of stages or ranks."""
+    allow_numerics_change: bool = False
+    """Also load one saved with another schedule, micro-batch count, loss reduction or seed:
+    the state loads bitwise, but later losses differ (summation order, dropout streams)."""
+    timeout_s: float = 300.0
+    """Longest wait for the other ranks inside a checkpoint save or load."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1 step, got {self.every}")
+        if self.keep < 0:
+            raise ValueError(f"keep must be >= 0 (0 keeps every checkpoint), got {self.keep}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
