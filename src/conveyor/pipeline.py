@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor import microbatch
-from conveyor.comm import Meta, P2P
+from conveyor.comm import P2P, Meta
 from conveyor.config import PipelineConfig, read_plan
+from conveyor.memory import MemoryReport
 from conveyor.runtime import LossFn, Runtime, StepInputs
-from conveyor.schedule import Program, Schedule, build_program, forward_only
+from conveyor.schedule import Schedule, build_program, forward_only
 from conveyor.simulate import execute
 from conveyor.split import balance_to_split_points, bind_inputs, even_balance, split_model
 from conveyor.trace import Recorder, Timeline, merge
@@ -230,6 +231,14 @@ class Pipeline:
 
     def eval(self) -> Pipeline:
         return self.train(False)
+
+    def memory(self) -> MemoryReport:
+        """Peak activation bytes and micro-batches this rank held since ``reset_memory``."""
+        return self._runtime.meter.report()
+
+    def reset_memory(self) -> None:
+        """Start a new peak measurement (for example after warm-up steps)."""
+        self._runtime.meter.reset()
 
     def describe(self) -> str:
         """One line: the plan, as logged at start-up."""
