@@ -1,0 +1,560 @@
+"""Checkpointer: atomic, verified, asynchronous checkpoints of a pipelined run; resume, reshard."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import importlib.metadata
+import logging
+import os
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+from torch.distributed.checkpoint.state_dict_saver import save as save_state
+
+from conveyor import faults
+from conveyor.checkpoint.keys import check_keys
+from conveyor.checkpoint.manifest import (
+    MANIFEST,
+    METADATA,
+    CheckpointError,
+    Manifest,
+    Problem,
+    check_files,
+    check_metadata,
+    file_entry,
+    fsync_dir,
+    list_checkpoints,
+    raise_problems,
+    read_manifest,
+    remove_dir,
+    step_dir_name,
+)
+from conveyor.checkpoint.state import (
+    LAYOUT_FIELDS,
+    NUMERICS_FIELDS,
+    ModelState,
+    OptimizerState,
+    Progress,
+    RandomState,
+    describe_layout,
+    digest,
+    rank_module,
+)
+from conveyor.checkpoint.writer import Writer
+from conveyor.config import CHECKPOINT_DIR_ENV, CheckpointConfig
+
+if TYPE_CHECKING:
+    from conveyor.pipeline import Pipeline
+
+__all__ = ["Checkpointer", "SaveRecord"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class SaveRecord:
+    """How one save went, for logs and benchmarks."""
+
+    step: int
+    blocked_s: float
+    """Time the training loop was blocked in ``save`` (the snapshot, when asynchronous)."""
+    total_s: float | None = None
+    """Time from the call to ``save`` until the checkpoint was published."""
+    num_bytes: int = 0
+    """Bytes of every file of the checkpoint (known on the coordinator)."""
+    path: Path | None = None
+
+
+@dataclass
+class _Job:
+    step: int
+    temporary: Path
+    writer: Writer
+    state: dict[str, Any]
+    check: str
+    """Fingerprint of the state every rank must agree on (step, data position, scheduler)."""
+    record: SaveRecord
+    start: float
+    upload: Future[Any] | None = None
+
+
+# See Note [checkpoint protocol]
+# save(step), on every rank:
+#   1. wait for the previous save (at most one in flight), raising its error if it failed;
+#   2. snapshot: async_save stages a copy of every tensor into reused CPU buffers and starts
+#      writing in its own thread; training continues (fault point after_snapshot);
+#   3. background: each rank writes __<rank>_0.distcp into .tmp-step-N-<run>-<seq>/ and hashes
+#      it (after_data); the coordinator writes .metadata (after_metadata);
+#   4. the coordinator gathers every rank's file sizes and SHA-256, writes manifest.json
+#      (before_rename), renames the directory to step-N, fsyncs, then deletes checkpoints
+#      beyond the newest `keep`; every rank learns the outcome by a broadcast.
+# A directory named step-N is therefore complete; anything else is swept at start-up.
+class Checkpointer:
+    """Saves and restores a pipelined training run: atomic, verified, asynchronous, and
+    loadable into another split.
+
+        ckpt = Checkpointer(pipe, optimizer, scheduler=scheduler, data=loader, every=50)
+        start = ckpt.resume_latest()            # 0 when there is no checkpoint yet
+        for step in range(start, num_steps): ...; ckpt.maybe_save(step + 1)
+        ckpt.close()                            # waits for the last save
+
+    Create it on every rank of the pipeline (it creates a process group for checkpoint
+    traffic, so background writes never interleave with the pipeline's messages).
+    ``options`` are CheckpointConfig fields.
+    """
+
+    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None, *,
+                 scheduler: Any | None = None, data: Any | None = None,
+                 config: CheckpointConfig | None = None, **options: Any) -> None:
+        config = dataclasses.replace(config or CheckpointConfig(), **options)
+        directory = config.directory or os.environ.get(CHECKPOINT_DIR_ENV)
+        if not directory:
+            raise ValueError("no checkpoint directory: pass directory=... (or "
+                             "config=CheckpointConfig(directory=...)), or run under `conveyor "
+                             f"run --checkpoint-dir DIR`, which sets ${CHECKPOINT_DIR_ENV}")
+        self.config = config
+        self.directory = Path(directory).absolute()
+        self.pipe = pipe
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.data = data
+        _check_stateful(scheduler, "scheduler")
+        _check_stateful(data, "data")
+        self._module = rank_module(pipe)
+        _check_optimizer(optimizer, self._module)
+        ranks = None if pipe.group is None else dist.get_process_group_ranks(pipe.group)
+        self._group = dist.new_group(ranks, backend="gloo",
+                                     timeout=timedelta(seconds=config.timeout_s))
+        self.rank = dist.get_rank(self._group)
+        self.world_size = dist.get_world_size(self._group)
+        self.is_coordinator = self.rank == 0
+        self._model = ModelState(pipe)
+        self._optimizer = None if optimizer is None else OptimizerState(self._module, optimizer)
+        self._progress = Progress(pipe)
+        self._random = RandomState(self.rank)
+        self._stager = DefaultStager(StagingOptions(False, False, False, False))
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-checkpoint")
+        self._pending: Future[SaveRecord] | None = None
+        self._sequence = 0
+        self._closed = False
+        self.saves: list[SaveRecord] = []
+        """Every save of this Checkpointer, finished or not."""
+        self.skipped: list[CheckpointError] = []
+        """Invalid checkpoints that ``resume_latest`` passed over."""
+        self._hooks = faults.install(pipe, optimizer)
+        self._run_id = self._on_coordinator(self._start)
+        atexit.register(_report_unfinished, weakref.ref(self))
+
+    # -- saving --------------------------------------------------------------------------
+
+    def maybe_save(self, step: int) -> bool:
+        """Save if ``step`` is a multiple of ``every``; returns whether it did."""
+        if step % self.config.every:
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int) -> None:
+        """Checkpoint the state after ``step`` optimizer steps, on every rank.
+
+        Asynchronous by default: returns once the state is copied to memory; the files are
+        written in the background. Raises CheckpointError if the previous save failed.
+        """
+        self.wait()
+        start = time.perf_counter()
+        self._progress.step = step
+        state = self._state()
+        temporary = self.directory / f".tmp-{step_dir_name(step)}-{self._run_id}-{self._sequence}"
+        self._sequence += 1
+        record = SaveRecord(step, 0.0)
+        job = _Job(step, temporary, Writer(temporary, self.rank, step), state,
+                   self._fingerprint(state), record, start)
+        self.saves.append(record)
+        if self.config.async_save:
+            upload = async_save(state, storage_writer=job.writer, process_group=self._group,
+                                async_stager=self._stager)
+            job.upload = (upload.upload_completion if isinstance(upload, AsyncSaveResponse)
+                          else upload)
+            record.blocked_s = time.perf_counter() - start
+            faults.fire("checkpoint.after_snapshot", step=step)
+            self._pending = self._executor.submit(self._write, job)
+            return
+        faults.fire("checkpoint.after_snapshot", step=step)
+        self._write(job)
+        record.blocked_s = time.perf_counter() - start
+
+    def wait(self) -> SaveRecord | None:
+        """Block until the save in flight (if any) is published; returns its record.
+
+        Raises:
+            CheckpointError: the save failed; earlier checkpoints are untouched.
+        """
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Wait for the last save and release the background thread; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._stager.close()
+            for hook in self._hooks:
+                hook.remove()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: Any) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # keep the training error: it is the cause; report the save's own failure
+            self.close()
+        except Exception as save_error:
+            logger.error("[rank %d] the checkpoint in flight failed too: %s", self.rank,
+                         save_error)
+
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds, as Stateful objects keyed the same on every rank."""
+        state: dict[str, Any] = {"model": self._model, "progress": self._progress,
+                                 "rng": self._random}
+        if self._optimizer is not None:
+            state["optimizer"] = self._optimizer
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler
+        if self.data is not None:
+            state["data"] = self.data
+        return state
+
+    def _fingerprint(self, state: dict[str, Any]) -> str:
+        shared = {key: state[key].state_dict() for key in ("progress", "data", "scheduler")
+                  if key in state}
+        try:
+            return digest(shared)
+        except Exception:  # an unpicklable scheduler state: nothing to compare
+            return ""
+
+    def _write(self, job: _Job) -> SaveRecord:
+        """Steps 3 and 4 of Note [checkpoint protocol]; in the background when asynchronous."""
+        try:
+            if job.upload is not None:
+                job.upload.result()
+            else:
+                save_state(job.state, storage_writer=job.writer, process_group=self._group)
+        except (Exception, CheckpointException) as error:
+            self._discard(job)
+            raise CheckpointError(job.temporary, None, f"saving step {job.step} failed: "
+                                  f"{_summary(error)}; the checkpoint was not published and "
+                                  f"earlier ones in {self.directory} are untouched") from None
+        faults.fire("checkpoint.after_metadata", step=job.step)
+        reports: list[Any] = [None] * self.world_size if self.is_coordinator else []
+        try:
+            dist.gather_object((job.writer.files, job.check), reports if self.is_coordinator
+                               else None, group=self._group, group_dst=0)
+            if not self.is_coordinator:
+                faults.fire("checkpoint.before_rename", step=job.step)
+            path, num_bytes = self._on_coordinator(lambda: self._publish(job, reports))
+        except CheckpointError:
+            self._discard(job)
+            raise
+        except RuntimeError as error:  # the backend's error for a rank that went away
+            raise CheckpointError(job.temporary, None, f"saving step {job.step} failed while "
+                                  f"the ranks coordinated: {error}") from error
+        job.record.path = Path(path)
+        job.record.num_bytes = num_bytes
+        job.record.total_s = time.perf_counter() - job.start
+        if self.is_coordinator:
+            logger.info("checkpoint %s: %.1f MB, training blocked %.3f s, published after "
+                        "%.2f s", path, num_bytes / 1e6, job.record.blocked_s,
+                        job.record.total_s)
+        return job.record
+
+    def _publish(self, job: _Job, reports: list[Any]) -> tuple[str, int]:
+        """The coordinator's part: manifest, rename, prune. Returns (path, bytes)."""
+        files = {name: entry for rank_files, _ in reports for name, entry in rank_files.items()}
+        checks = {rank: check for rank, (_, check) in enumerate(reports)}
+        if len(set(checks.values())) > 1:
+            raise CheckpointError(job.temporary, None, f"ranks disagree on the step, data "
+                                  f"position or scheduler state (fingerprints {checks}); every "
+                                  "rank must call save() with the same step, after the same "
+                                  "batches")
+        files[METADATA] = file_entry(job.temporary / METADATA)
+        unexpected = sorted(set(os.listdir(job.temporary)) - set(files))
+        if unexpected:
+            raise CheckpointError(job.temporary, unexpected[0], "was written but no rank "
+                                  "reported it; the checkpoint library wrote an unknown file")
+        manifest = Manifest(job.step, self.world_size, describe_layout(self.pipe), files,
+                            _versions(), datetime.datetime.now(datetime.UTC).isoformat())
+        with (job.temporary / MANIFEST).open("w") as file:
+            file.write(manifest.to_json())
+            file.flush()
+            os.fsync(file.fileno())
+        fsync_dir(job.temporary)
+        faults.fire("checkpoint.before_rename", step=job.step)
+        final = self.directory / step_dir_name(job.step)
+        if final.exists():  # an invalid or older copy of this step: never merge into it
+            remove_dir(final, f".deleting-{final.name}-{self._run_id}-{self._sequence}")
+        os.rename(job.temporary, final)
+        fsync_dir(self.directory)
+        self._prune()
+        return str(final), sum(entry.size for entry in files.values())
+
+    def _prune(self) -> None:
+        if self.config.keep == 0:
+            return
+        for _, path in list_checkpoints(self.directory)[self.config.keep:]:
+            logger.info("deleting old checkpoint %s (keep=%d)", path, self.config.keep)
+            remove_dir(path, f".deleting-{path.name}-{self._run_id}")
+
+    def _discard(self, job: _Job) -> None:
+        if self.is_coordinator and job.temporary.exists():
+            try:
+                remove_dir(job.temporary, f".deleting-{job.temporary.name}")
+            except OSError as error:
+                logger.warning("could not remove %s: %s", job.temporary, error)
+
+    def _start(self) -> str:
+        """The coordinator's start-up: create the directory, sweep what interrupted saves
+        and deletions left behind, and pick this run's id for temporary names."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            names = os.listdir(self.directory)
+        except OSError as error:
+            raise CheckpointError(self.directory, None, f"cannot create or list the checkpoint "
+                                  f"directory: {error}") from error
+        for name in names:
+            if name.startswith((".tmp-", ".deleting-")):
+                logger.info("removing %s, left by an interrupted save or deletion", name)
+                remove_dir(self.directory / name, f".deleting-{name}-swept")
+        return uuid.uuid4().hex[:8]
+
+    # -- loading -------------------------------------------------------------------------
+
+    def resume_latest(self) -> int:
+        """Load the newest valid checkpoint in the directory; returns its step (0 if none).
+
+        Invalid checkpoints (damaged, incomplete, unreadable) are skipped with a warning
+        naming each one and why. A valid checkpoint that does not fit this run (another
+        configuration or model) is an error, not skipped.
+
+        Raises:
+            CheckpointError: checkpoints exist but none is valid, or the newest valid one
+                does not fit this run.
+        """
+        self.wait()
+        found = self._on_coordinator(lambda: [str(p) for _, p in list_checkpoints(
+            self.directory)])
+        self.skipped = []
+        for path in map(Path, found):
+            try:
+                manifest = self._verify(path)
+            except CheckpointError as error:
+                if self.is_coordinator:
+                    logger.warning("skipping invalid checkpoint: %s", error)
+                self.skipped.append(error)
+                continue
+            return self._load(path, manifest, self.config.allow_reshard,
+                              self.config.allow_numerics_change)
+        if self.skipped:
+            raise CheckpointError(self.directory, None, f"none of the {len(found)} checkpoints "
+                                  "is valid: " + "; ".join(map(str, self.skipped)) +
+                                  ". Move the damaged ones away to start from step 0")
+        if self.is_coordinator:
+            logger.info("no checkpoint in %s; starting from step 0", self.directory)
+        return 0
+
+    def load(self, path: str | os.PathLike[str], *, allow_reshard: bool | None = None,
+             allow_numerics_change: bool | None = None) -> int:
+        """Load the checkpoint at ``path`` (a ``step-N`` directory); returns its step.
+
+        ``allow_reshard`` and ``allow_numerics_change`` default to the config's.
+
+        Raises:
+            CheckpointError: the checkpoint is invalid, or was saved with another
+                configuration or model, naming the file and the difference.
+        """
+        self.wait()
+        checkpoint = Path(path).absolute()
+        manifest = self._verify(checkpoint)
+        return self._load(
+            checkpoint, manifest,
+            self.config.allow_reshard if allow_reshard is None else allow_reshard,
+            self.config.allow_numerics_change if allow_numerics_change is None
+            else allow_numerics_change)
+
+    def _load(self, path: Path, manifest: Manifest, allow_reshard: bool,
+              allow_numerics_change: bool) -> int:
+        self._check_layout(path, manifest, allow_reshard, allow_numerics_change)
+        metadata = FileSystemReader(path).read_metadata()
+        state = self._state_to_load(metadata)
+        problems = check_keys(state, metadata, self._group)
+        raise_problems(path, problems)
+        try:
+            load(state, storage_reader=FileSystemReader(path), process_group=self._group)
+        except (Exception, CheckpointException) as error:
+            raise CheckpointError(path, None, f"loading failed: {_summary(error)}") from None
+        finally:
+            self._random.source_rank, self._random.keys = self.rank, None
+            if self._optimizer is not None:
+                self._optimizer.load_with_state = None
+        if self.is_coordinator:
+            logger.info("resumed from %s (step %d)", path, manifest.step)
+        return manifest.step
+
+    def _state_to_load(self, metadata: Metadata) -> dict[str, Any]:
+        """The Stateful objects to load into, shaped like what the checkpoint holds."""
+        keys = metadata.state_dict_metadata
+        if self._optimizer is not None:
+            self._optimizer.load_with_state = any(k.startswith("optimizer.state.") for k in keys)
+        own = f"rng.rank{self.rank}."
+        source = self.rank if any(k.startswith(own) for k in keys) else 0
+        if source != self.rank:
+            logger.info("[rank %d] the checkpoint has no random state for this rank (it was "
+                        "saved on fewer ranks); restoring rank 0's", self.rank)
+        prefix = f"rng.rank{source}."
+        self._random.source_rank = source
+        self._random.keys = {k[len(prefix):] for k in keys if k.startswith(prefix)}
+        return self._state()
+
+    def _check_layout(self, path: Path, manifest: Manifest, allow_reshard: bool,
+                      allow_numerics_change: bool) -> None:
+        saved, now = manifest.layout, describe_layout(self.pipe)
+        layout = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in LAYOUT_FIELDS
+                  if saved.get(f) != now[f]]
+        numerics = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in NUMERICS_FIELDS
+                    if saved.get(f) != now[f]]
+        if not layout and not numerics and saved.get("program_sha256") != now["program_sha256"]:
+            numerics.append("the schedule's program (same name, other actions)")
+        if layout and not allow_reshard:
+            raise CheckpointError(path, MANIFEST, "configuration mismatch: this run splits or "
+                                  f"places the model differently ({'; '.join(layout)}); pass "
+                                  "allow_reshard=True to load it into this split (parameters, "
+                                  "optimizer state and progress load bitwise)")
+        if numerics and not allow_numerics_change:
+            raise CheckpointError(path, MANIFEST, "configuration mismatch: "
+                                  f"{'; '.join(numerics)}; this changes the arithmetic (order "
+                                  "of sums, loss scale or dropout streams), so later losses "
+                                  "differ from the saved run's. Pass allow_numerics_change=True "
+                                  "to load it anyway (the state itself loads bitwise)")
+        if (layout or numerics) and self.is_coordinator:
+            logger.info("loading %s into another configuration: %s", path,
+                        "; ".join(layout + numerics))
+
+    def _verify(self, path: Path) -> Manifest:
+        """Check the manifest and every file's size and SHA-256, spreading the hashing over
+        the ranks; every rank raises the same CheckpointError if anything is wrong."""
+        problems: list[Problem] = []
+        manifest = None
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as error:
+            problems.append(Problem(error.file, error.cause))
+        if manifest is not None:
+            share = sorted(manifest.files)[self.rank::self.world_size]
+            problems += check_files(path, manifest, share)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, problems, group=self._group)
+        merged = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
+        if not merged and manifest is not None:
+            merged = check_metadata(path, manifest)[1]
+        raise_problems(path, merged)
+        assert manifest is not None
+        return manifest
+
+    def _on_coordinator(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the coordinator and hand every rank its result (or its error)."""
+        box: list[Any] = [None]
+        error: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as raised:
+                error = raised
+                box[0] = ("error", _as_checkpoint_error(raised, self.directory))
+        dist.broadcast_object_list(box, group=self._group, group_src=0)
+        kind, value = box[0]
+        if kind == "ok":
+            return value  # type: ignore[no-any-return]
+        if error is not None:
+            raise error
+        raise CheckpointError(*value)
+
+
+def _as_checkpoint_error(error: BaseException, directory: Path) -> tuple[str, str | None, str]:
+    if isinstance(error, CheckpointError):
+        return error.path, error.file, error.cause
+    return str(directory), None, f"{type(error).__name__}: {error}"
+
+
+def _summary(error: BaseException) -> str:
+    """One line per failed rank, instead of torch's tracebacks."""
+    if isinstance(error, CheckpointException):
+        parts = []
+        for rank, failure in sorted(error.failures.items()):
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+        return "; ".join(parts)
+    return f"{type(error).__name__}: {error}"
+
+
+def _versions() -> dict[str, str]:
+    try:
+        conveyor = importlib.metadata.version("conveyor")
+    except importlib.metadata.PackageNotFoundError:
+        conveyor = "unknown"
+    return {"torch": torch.__version__, "conveyor": conveyor}
+
+
+def _check_stateful(value: Any, name: str) -> None:
+    if value is not None and not (callable(getattr(value, "state_dict", None))
+                                  and callable(getattr(value, "load_state_dict", None))):
+        raise TypeError(f"{name} must have state_dict() and load_state_dict() (a Stateful), "
+                        f"got {type(value).__name__}")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, module: torch.nn.Module) -> None:
+    if optimizer is None:
+        return
+    known = {id(p) for p in module.parameters()}
+    foreign = [i for i, group in enumerate(optimizer.param_groups)
+               for p in group["params"] if id(p) not in known]
+    if foreign:
+        raise ValueError(f"the optimizer holds {len(foreign)} parameters that are not this "
+                         "rank's pipeline parameters (param_groups "
+                         f"{sorted(set(foreign))}); build it over pipe.parameters()")
+
+
+def _report_unfinished(reference: weakref.ref[Checkpointer]) -> None:
+    """At exit: say so if a save was never waited for (its error would go unseen)."""
+    checkpointer = reference()
+    if checkpointer is None or checkpointer._pending is None:
+        return
+    try:
+        checkpointer.wait()
+    except Exception as error:
+        logger.error("the last checkpoint failed (call Checkpointer.close() to see this as "
+                     "an exception): %s", error)

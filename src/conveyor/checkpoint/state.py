@@ -1,0 +1,186 @@
+"""What a checkpoint holds, as Stateful views of one rank: model, optimizer, random state,
+progress, and the layout (split, placement, schedule) it was saved with."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import pickle
+import random
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+if TYPE_CHECKING:
+    from conveyor.pipeline import Pipeline
+
+__all__ = [
+    "LAYOUT_FIELDS", "NUMERICS_FIELDS", "ModelState", "OptimizerState", "Progress",
+    "RandomState", "describe_layout", "rank_module",
+]
+
+logger = logging.getLogger(__name__)
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state keyed by parameter name, one entry per parameter and hyperparameter
+(``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it reshards like the model."""
+
+LAYOUT_FIELDS = ("split_points", "placement", "num_stages", "num_ranks")
+"""How the model is cut and placed. Changing them moves parameters between ranks but computes
+the same thing: each stage still runs its micro-batches in the schedule's order."""
+NUMERICS_FIELDS = ("schedule", "num_microbatches", "loss_reduction", "seed")
+"""Changing these changes the arithmetic: summation order of micro-batch gradients and losses
+(schedule, micro-batches), the loss's scale, or the dropout streams (seed)."""
+
+
+def describe_layout(pipe: Pipeline) -> dict[str, Any]:
+    """The split, placement and schedule of ``pipe``, as plain data for the manifest."""
+    config = dataclasses.asdict(pipe.config)
+    return {
+        "split_points": list(pipe.split_points),
+        "placement": [stage.rank for stage in pipe.graph.stages],
+        "num_stages": pipe.graph.num_stages,
+        "num_ranks": pipe.num_ranks,
+        "schedule": str(pipe.config.schedule),
+        "num_microbatches": pipe.config.num_microbatches,
+        "loss_reduction": pipe.config.loss_reduction,
+        "seed": pipe.config.seed,
+        "program_sha256": hashlib.sha256(str(pipe.program).encode()).hexdigest(),
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
+    }
+
+
+def rank_module(pipe: Pipeline) -> nn.Module:
+    """One module holding every parameter of this rank's stages under its original name.
+
+    ``torch.distributed.checkpoint.state_dict`` maps optimizer state to names through a
+    module; a rank with several stages (virtual stages) has several, so they are merged.
+    """
+    root = nn.Module()
+    for module in pipe.stages.values():
+        for name, parameter in module.named_parameters(remove_duplicate=False):
+            *path, leaf = name.split(".")
+            owner = root
+            for part in path:
+                child = owner._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    owner.add_module(part, child)
+                owner = child
+            if leaf not in owner._parameters:
+                owner.register_parameter(leaf, parameter)
+    return root
+
+
+class ModelState:
+    """This rank's parameters and buffers under the model's original names."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.pipe.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipe.load_state_dict(state)
+
+
+class OptimizerState:
+    """The optimizer's state and hyperparameters keyed by parameter name.
+
+    Uses ``torch.distributed.checkpoint.state_dict`` (flattened, so it reshards). That helper
+    initializes an untouched optimizer by taking a zero-learning-rate step, which would start
+    Adam's step count early; so an optimizer that has not stepped is saved as its
+    hyperparameters alone, and restored that way. ``load_with_state`` says which kind the
+    checkpoint holds when building the template to load into.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.load_with_state: bool | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        with_state = (bool(self.optimizer.state) if self.load_with_state is None
+                      else self.load_with_state)
+        if with_state:
+            return dict(get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT))
+        return self._hyperparameters()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if any(key.startswith("state.") for key in state):
+            set_optimizer_state_dict(self.module, self.optimizer, state, options=_FLAT)
+            return
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for group in self.optimizer.param_groups:
+            first = names[id(group["params"][0])]
+            for key in group:
+                if key != "params":
+                    group[key] = state[f"param_groups.{first}.{key}"]
+
+    def _hyperparameters(self) -> dict[str, Any]:
+        """``param_groups.<name>.<key>`` entries, as the flattened helper writes them."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        return {f"param_groups.{names[id(p)]}.{key}": value
+                for group in self.optimizer.param_groups for p in group["params"]
+                for key, value in group.items() if key != "params"}
+
+
+class RandomState:
+    """Every generator of this process: torch CPU (and CUDA), Python ``random``, and numpy's
+    global one when numpy is loaded. Saved per rank under ``rank<N>``; ``source_rank`` picks
+    which rank's entry to restore (another one after a change in the number of ranks)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.source_rank = rank
+        self.keys: set[str] | None = None
+        """When loading: the entries the checkpoint holds for ``source_rank``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            state["numpy"] = numpy.random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        if self.keys is not None:
+            state = {k: v for k, v in state.items() if k in self.keys}
+        return {f"rank{self.source_rank}": state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state[f"rank{self.source_rank}"]
+        torch.set_rng_state(saved["torch"])
+        random.setstate(saved["python"])
+        if "numpy" in saved and "numpy" in sys.modules:
+            sys.modules["numpy"].random.set_state(saved["numpy"])
+        if "cuda" in saved and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda"])
+
+
+class Progress:
+    """The step count and ``Pipeline.step_index``, which seeds every micro-batch's dropout."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "step_index": self.pipe.step_index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.pipe.step_index = int(state["step_index"])
+
+
+def digest(value: Any) -> str:
+    """A short fingerprint of picklable ``value``, to compare small states across ranks."""
+    return hashlib.sha256(pickle.dumps(value)).hexdigest()[:16]
