@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from dist import run_ranks
 from torch import nn
 
 import conveyor
 from conveyor.comm import PeerLostError
 from conveyor.models import gpt, gpt_loss, text_batches
+from dist import run_ranks
 
 pytestmark = pytest.mark.dist
 

@@ -6,7 +6,14 @@ import pytest
 
 from conveyor.graph import chain
 from conveyor.schedule import (
-    Action, Kind, Program, ProgramError, add_communication, from_text, gpipe, validate,
+    Action,
+    Kind,
+    Program,
+    ProgramError,
+    add_communication,
+    from_text,
+    gpipe,
+    validate,
 )
 
 
@@ -33,8 +40,8 @@ def test_program_text_round_trips() -> None:
 
 
 def test_communication_is_inserted_in_channel_order() -> None:
-    compute = [[Action.parse(a) for a in "0F0 0F1 0B0 0B1".split()],
-               [Action.parse(a) for a in "1F0 1B0 1F1 1B1".split()]]
+    compute = [[Action.parse(a) for a in ["0F0", "0F1", "0B0", "0B1"]],
+               [Action.parse(a) for a in ["1F0", "1B0", "1F1", "1B1"]]]
     program = add_communication(chain(2), compute, 2)
     assert [str(a) for a in program[0]] == [
         "0F0", "0SF0>1", "0RB0<1", "0F1", "0SF1>1", "0RB1<1", "0B0", "0B1"]

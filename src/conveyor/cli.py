@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import itertools
 import logging
 import sys
 import tomllib
@@ -128,7 +129,7 @@ def _torchrun(arguments: list[str]) -> int:
         raise FileNotFoundError(f"script {launch.training_script!r} not found; usage: conveyor "
                                 "run [-n N] [torchrun options] script.py [script args]")
     try:
-        run(launch)
+        run(launch)  # type: ignore[no-untyped-call]  # torchrun's entry point is untyped
     except Exception as error:  # torchrun's ChildFailedError already printed each rank's error
         logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)
         return 1
@@ -180,7 +181,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition
     docs = {}
-    for field, doc in zip(body, body[1:], strict=False):
+    for field, doc in itertools.pairwise(body):
         if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
                 and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)):
             docs[field.target.id] = " ".join(str(doc.value.value).split())

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", default="{}", help="PipelineConfig fields as JSON")
     args = parser.parse_args(argv)
     demo = DemoConfig(**json.loads(args.demo))
-    fields = json.loads(args.pipeline)
-    pipeline = PipelineConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                 for k, v in fields.items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in json.loads(args.pipeline).items()}
+    pipeline = PipelineConfig(**fields)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # an entry point, like cli
     dist.init_process_group("gloo")
     try:

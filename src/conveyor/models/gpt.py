@@ -29,7 +29,8 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
-        return self.dropout(self.tokens(ids) + self.positions(positions))
+        embedded: torch.Tensor = self.dropout(self.tokens(ids) + self.positions(positions))
+        return embedded
 
 
 class Block(nn.Module):
@@ -56,21 +57,21 @@ class Block(nn.Module):
         attention = scores.masked_fill(mask, float("-inf")).softmax(-1)
         y = (attention @ v).transpose(1, 2).reshape(batch, seq, dim)
         x = x + self.dropout(self.proj(y))
-        return x + self.dropout(self.mlp(self.norm2(x)))
+        out: torch.Tensor = x + self.dropout(self.mlp(self.norm2(x)))
+        return out
 
 
 class Head(nn.Module):
-    """Final layer norm and the projection to vocabulary logits (optionally a tied weight)."""
+    """Final layer norm and the projection to vocabulary logits."""
 
-    def __init__(self, dim: int, vocab_size: int, tied: nn.Parameter | None = None) -> None:
+    def __init__(self, dim: int, vocab_size: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.out = nn.Linear(dim, vocab_size, bias=False)
-        if tied is not None:
-            self.out.weight = tied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
+        logits: torch.Tensor = self.out(self.norm(x))
+        return logits
 
 
 def gpt(vocab_size: int = 96, seq_len: int = 64, dim: int = 64, num_layers: int = 4,
@@ -79,7 +80,9 @@ def gpt(vocab_size: int = 96, seq_len: int = 64, dim: int = 64, num_layers: int 
     layers), so ``balance`` can split it anywhere."""
     embedding = Embedding(vocab_size, seq_len, dim, dropout)
     blocks = [Block(dim, num_heads, dropout) for _ in range(num_layers)]
-    head = Head(dim, vocab_size, embedding.tokens.weight if tie_embeddings else None)
+    head = Head(dim, vocab_size)
+    if tie_embeddings:  # one Parameter object: the output projection is the token table
+        head.out.weight = embedding.tokens.weight
     return nn.Sequential(embedding, *blocks, head)
 
 

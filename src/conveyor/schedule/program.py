@@ -193,7 +193,8 @@ def add_communication(graph: StageGraph, compute: Sequence[Sequence[Action]],
                 sends_by_channel.setdefault(channel, []).append(send)
     ranks = []
     for rank, rank_actions in enumerate(compute):
-        position = {need: i for i, a in enumerate(rank_actions) for need in receives_needed(graph, a)}
+        position = {need: i for i, a in enumerate(rank_actions)
+                    for need in receives_needed(graph, a)}
         forward_at = {(a.stage, a.microbatch): i for i, a in enumerate(rank_actions)
                       if a.kind is Kind.F}
         post_at: dict[int, list[Action]] = {}
@@ -201,7 +202,8 @@ def add_communication(graph: StageGraph, compute: Sequence[Sequence[Action]],
             if dst != rank:
                 continue
             recvs = [matching_recv(send) for send in sends]
-            deadlines, deadline = [], len(rank_actions)
+            deadlines: list[int] = []
+            deadline = len(rank_actions)
             for recv in reversed(recvs):  # a receive must precede every later one's consumer
                 deadline = min(deadline, position.get(recv, len(rank_actions)))
                 deadlines.insert(0, deadline)
