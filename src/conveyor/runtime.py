@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
-from conveyor.comm import Meta, P2P, Receive
+from conveyor.comm import P2P, Meta, Receive
 from conveyor.graph import MODEL_OUTPUT, StageGraph
 from conveyor.memory import ActivationMeter
 from conveyor.rng import RngState, microbatch_seed, rng_stream
@@ -50,9 +50,8 @@ class _State:
     outputs: dict[_Key, dict[str, Any]] = field(default_factory=dict)
     rng_end: dict[_Key, RngState] = field(default_factory=dict)
     receives: dict[Action, Receive] = field(default_factory=dict)
-    received: dict[Action, Any] = field(default_factory=dict)
     sent_meta: dict[tuple[int, int, int], Meta] = field(default_factory=dict)
-    input_grads: dict[_Key, dict[str, list[torch.Tensor | None]]] = field(default_factory=dict)
+    input_grads: dict[_Key, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     model_outputs: dict[int, Any] = field(default_factory=dict)
 
@@ -214,15 +213,16 @@ class Runtime:
                     start += count
             for name, grads in zip(names, per_name, strict=True):
                 total = totals.get(name)
-                totals[name] = grads if total is None else [a + b for a, b in zip(total, grads)]
+                totals[name] = (grads if total is None
+                                else [a + b for a, b in zip(total, grads, strict=True)])
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor | None] = []
         if s == self.graph.sink:
             roots.append(self._state.losses[k])
             root_grads.append(None)
         for name, grads in totals.items():
-            roots += _grad_leaves(outputs[name])
-            root_grads += grads
+            roots.extend(_grad_leaves(outputs[name]))
+            root_grads.extend(grads)
         return roots, root_grads
 
     # -- communication -------------------------------------------------------------------
@@ -238,6 +238,7 @@ class Runtime:
         meta = Meta.of(message)
         key = (s, d, self._step.signatures[k], self._step.is_training)
         known = self._meta.get(key)
+        assert not isinstance(known, Receive), "a sender's cache holds only what it sent"
         if known is not None and known != meta:
             raise RuntimeError(
                 f"rank {self.rank} (stage {s}): the values sent to stage {d} for micro-batch {k} "
