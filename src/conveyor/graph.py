@@ -6,10 +6,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Literal
 
 from torch import nn
 
-__all__ = ["MODEL_OUTPUT", "Stage", "StageGraph", "chain"]
+__all__ = ["MODEL_OUTPUT", "PLACEMENT_STYLES", "PlacementStyle", "Stage", "StageGraph", "chain",
+           "place"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,32 @@ class StageGraph:
         """The same graph without modules: plain data for schedules and the simulator."""
         stages = tuple(Stage(s.index, s.rank, s.inputs, s.outputs) for s in self.stages)
         return StageGraph(stages, self.model_inputs)
+
+
+PlacementStyle = Literal["loop", "v"]
+PLACEMENT_STYLES: tuple[PlacementStyle, ...] = ("loop", "v")
+
+
+# 6 stages on 3 ranks:   loop: 0 1 2 0 1 2  (interleaved 1F1B)
+#                        v:    0 1 2 2 1 0  (ZB-V: the last stage comes back to rank 0)
+def place(num_stages: int, num_ranks: int, style: PlacementStyle = "loop") -> list[int]:
+    """Rank of each stage when ``num_stages`` stages share ``num_ranks`` ranks (virtual stages).
+
+    'loop' goes round the ranks in order; 'v' goes down the ranks and back up (and down
+    again for more than two stages per rank), so consecutive laps meet on the same rank.
+    """
+    if num_ranks < 1 or num_stages % num_ranks:
+        raise ValueError(f"cannot place {num_stages} stages on {num_ranks} ranks; use a "
+                         f"positive multiple of {num_ranks} stages (the same number per rank)")
+    if style not in PLACEMENT_STYLES:
+        raise ValueError(f"placement style must be one of {list(PLACEMENT_STYLES)}, "
+                         f"got {style!r}")
+    ranks = []
+    for stage in range(num_stages):
+        lap, position = divmod(stage, num_ranks)
+        backwards = style == "v" and lap % 2 == 1
+        ranks.append(num_ranks - 1 - position if backwards else position)
+    return ranks
 
 
 def chain(num_stages: int, num_ranks: int | None = None,

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["ActivationMeter", "MemoryReport"]
+from conveyor.schedule.program import Action, Kind
+
+__all__ = ["ActivationMeter", "MemoryReport", "alive_peak"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +35,17 @@ class ActivationMeter:
 
     Tensors saved by autograd are seen through ``saved_tensors_hooks``; with activation
     checkpointing autograd saves nothing inside the stage, so only its inputs and outputs
-    count, which is what recomputation keeps.
+    count, which is what recomputation keeps. With a split backward a (stage, micro-batch)
+    stays alive until its W: after I the runtime keeps the saved tensors and the gradients W
+    starts from (``keep_only``), no longer the stage's inputs and outputs.
     """
 
     excluded: set[int] = field(default_factory=set)
     """Storage pointers never counted (parameters)."""
     _held: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    """Storages autograd saved for each (stage, micro-batch)."""
+    _values: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    """Storages the runtime itself holds for each: inputs and outputs, or W's gradients."""
     peak_bytes: int = 0
     peak_microbatches: int = 0
 
@@ -47,11 +54,11 @@ class ActivationMeter:
 
     @contextmanager
     def saving(self, key: tuple[int, int]) -> Iterator[None]:
-        """Count what autograd saves for backward while the body runs ``key``'s forward."""
-        storages = self._held.setdefault(key, {})
+        """Count what autograd saves for backward while the body runs ``key``'s forward
+        (nothing, and no key, under ``torch.no_grad``)."""
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            self._add(storages, tensor)
+            self._add(self._held.setdefault(key, {}), tensor)
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -60,29 +67,43 @@ class ActivationMeter:
 
     def hold(self, key: tuple[int, int], value: Any) -> None:
         """Count the tensors in ``value`` (a stage's inputs or outputs) as held by ``key``."""
-        storages = self._held.setdefault(key, {})
+        self._held.setdefault(key, {})
+        storages = self._values.setdefault(key, {})
         for leaf in pytree.tree_leaves(value):
             if isinstance(leaf, torch.Tensor):
                 self._add(storages, leaf)
         self._update_peak()
 
+    def keep_only(self, key: tuple[int, int], value: Any) -> None:
+        """``key``'s input gradient is done (I): of what the runtime held, only ``value``
+        (the gradients W starts from) stays; what autograd saved stays until ``release``."""
+        self._values.pop(key, None)
+        self.hold(key, value)
+
     def release(self, key: tuple[int, int]) -> None:
-        """``key``'s backward is done: its activations are freed."""
+        """``key``'s backward is done (B, or W after I): its activations are freed."""
         self._held.pop(key, None)
+        self._values.pop(key, None)
 
     @property
     def held_bytes(self) -> int:
         unique: dict[int, int] = {}
-        for storages in self._held.values():
-            unique.update(storages)
+        for table in (self._held, self._values):
+            for storages in table.values():
+                unique.update(storages)
         return sum(unique.values())
+
+    @property
+    def held_microbatches(self) -> int:
+        """(stage, micro-batch) pairs whose activations are alive now."""
+        return len(self._held.keys() | self._values.keys())
 
     def report(self) -> MemoryReport:
         return MemoryReport(self.peak_bytes, self.peak_microbatches)
 
     def reset(self) -> None:
         self.peak_bytes = self.held_bytes
-        self.peak_microbatches = len(self._held)
+        self.peak_microbatches = self.held_microbatches
 
     def _add(self, storages: dict[int, int], tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
@@ -94,4 +115,19 @@ class ActivationMeter:
 
     def _update_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        self.peak_microbatches = max(self.peak_microbatches, len(self._held))
+        self.peak_microbatches = max(self.peak_microbatches, self.held_microbatches)
+
+
+def alive_peak(actions: Iterable[Action]) -> int:
+    """Most (stage, micro-batch) pairs one rank's actions keep alive at once: from F until B,
+    or until W after I. The runtime's ``MemoryReport.peak_microbatches`` measures the same."""
+    alive: set[tuple[int, int]] = set()
+    peak = 0
+    for action in actions:
+        key = (action.stage, action.microbatch)
+        if action.kind is Kind.F:
+            alive.add(key)
+            peak = max(peak, len(alive))
+        elif action.kind in (Kind.B, Kind.W):
+            alive.discard(key)
+    return peak

@@ -12,6 +12,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from conveyor.backward import WeightGrad, backward_input
+from conveyor.batchnorm import recompute_context
 from conveyor.comm import P2P, Meta, Receive
 from conveyor.graph import MODEL_OUTPUT, StageGraph
 from conveyor.memory import ActivationMeter
@@ -52,6 +54,8 @@ class _State:
     receives: dict[Action, Receive] = field(default_factory=dict)
     sent_meta: dict[tuple[int, int, int], Meta] = field(default_factory=dict)
     input_grads: dict[_Key, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    weight_grads: dict[_Key, WeightGrad] = field(default_factory=dict)
+    """Deferred weight gradients: from a stage's I to its W."""
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     model_outputs: dict[int, Any] = field(default_factory=dict)
 
@@ -82,6 +86,7 @@ class Runtime:
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward, Kind.B: self._backward,
+            Kind.I: self._backward_input, Kind.W: self._backward_weight,
             Kind.SEND_F: self._send_forward, Kind.RECV_F: self._recv_forward,
             Kind.SEND_B: self._send_backward, Kind.RECV_B: self._recv_backward,
         }
@@ -116,7 +121,8 @@ class Runtime:
         with (rng_stream(self._rng_start(s, k, received), self.device, end),
               self.meter.saving((s, k))):
             if self._is_recomputed(k, s):
-                out = recompute(self.modules[s], *args, use_reentrant=False)
+                out = recompute(self.modules[s], *args, use_reentrant=False,
+                                context_fn=recompute_context)
             else:
                 out = self.modules[s](*args)
         self._state.rng_end[(s, k)] = end[0]
@@ -187,9 +193,46 @@ class Runtime:
             name: [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                    for leaf in _grad_leaves(value)]
             for name, value in inputs.items() if self.graph.producer(name) is not None}
+        self._forget_forward(s, k)
+        self.meter.release((s, k))
+
+    def _backward_input(self, action: Action) -> None:
+        """I: the input gradients, for the producers; the weight gradient waits for W.
+
+        See Note [split backward] in conveyor.backward.
+        """
+        s, k = action.stage, action.microbatch
+        roots, grads = self._roots(s, k)
+        inputs = {name: _grad_leaves(value)
+                  for name, value in self._state.inputs.pop((s, k), {}).items()
+                  if self.graph.producer(name) is not None}
+        found, weight = backward_input(roots, grads, [x for xs in inputs.values() for x in xs])
+        del roots, grads
+        found_iter = iter(found)
+        self._state.input_grads[(s, k)] = {
+            name: [_or_zeros(next(found_iter), leaf) for leaf in leaves]
+            for name, leaves in inputs.items()}
+        self._state.weight_grads[(s, k)] = weight
+        self._forget_forward(s, k)
+        self.meter.keep_only((s, k), weight.tensors())
+
+    def _backward_weight(self, action: Action) -> None:
+        """W: the weight gradients an earlier I of this stage and micro-batch deferred."""
+        s, k = action.stage, action.microbatch
+        weight = self._state.weight_grads.pop((s, k), None)
+        if weight is None:
+            raise RuntimeError(f"rank {self.rank} (stage {s}): {action} runs before {s}I{k}; a "
+                               "W needs the I of the same stage and micro-batch first")
+        weight.run()
+        self.meter.release((s, k))
+
+    def _forget_forward(self, s: int, k: int) -> None:
+        """Drop what the forward of ``(s, k)`` kept for its backward: outputs, the random
+        stream, and the loss's graph (the loss value stays)."""
         del self._state.outputs[(s, k)]
         self._state.rng_end.pop((s, k), None)
-        self.meter.release((s, k))
+        if s == self.graph.sink and k in self._state.losses:
+            self._state.losses[k] = self._state.losses[k].detach()
 
     def _roots(self, s: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Tensors to backpropagate from and their gradients, summed over consumers.
@@ -280,6 +323,10 @@ class Runtime:
         meta = Meta.of([torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
                         for leaf in sent.leaves if leaf.requires_grad and leaf.shape is not None])
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
+
+
+def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if grad is None else grad
 
 
 def _leaf(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.graph import StageGraph
+from conveyor.graph import PlacementStyle, StageGraph
 from conveyor.schedule.chain import forward_only, gpipe, one_f_one_b
+from conveyor.schedule.interleaved import interleaved_1f1b
 from conveyor.schedule.program import Action, Kind, Program, add_communication
 from conveyor.schedule.validate import ProgramError, validate
+from conveyor.schedule.zero_bubble import zb_h1, zb_v
 
 __all__ = [
-    "SCHEDULES", "Action", "Kind", "Program", "ProgramError", "Schedule", "build_program",
-    "forward_only", "from_text", "gpipe", "one_f_one_b", "validate",
+    "LAYOUTS", "SCHEDULES", "Action", "Kind", "Layout", "Program", "ProgramError", "Schedule",
+    "build_program", "forward_only", "from_text", "gpipe", "interleaved_1f1b", "layout_of",
+    "one_f_one_b", "validate", "zb_h1", "zb_v",
 ]
 
 Schedule = Callable[[StageGraph, int], Program]
@@ -21,8 +25,33 @@ Schedule = Callable[[StageGraph, int], Program]
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
 """Schedules by name, as ``Pipeline(schedule=...)`` and the CLI accept them."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a schedule wants stages laid out: its default stages per rank and placement."""
+
+    virtual_stages: int = 1
+    """Stages per rank when the split does not say (balance or split points do)."""
+    placement: PlacementStyle = "loop"
+    """'loop': stage s on rank s mod p; 'v': down the ranks and back (see graph.place)."""
+
+
+LAYOUTS: dict[str, Layout] = {
+    "interleaved-1f1b": Layout(virtual_stages=2, placement="loop"),
+    "zb-v": Layout(virtual_stages=2, placement="v"),
+}
+"""Layouts of the schedules that need more than one stage per rank; others use Layout()."""
+
+
+def layout_of(schedule: str | Schedule) -> Layout:
+    """The layout a named schedule wants; ``Layout()`` for others, files and callables."""
+    return LAYOUTS.get(schedule, Layout()) if isinstance(schedule, str) else Layout()
 
 
 def from_text(text: str, graph: StageGraph, num_microbatches: int | None = None) -> Program:
