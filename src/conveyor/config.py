@@ -42,6 +42,13 @@ class PipelineConfig:
     """Longest wait for a peer before the rank fails, naming the peer and the action."""
     placement: tuple[int, ...] | None = None
     """Rank of each stage; default: stage i on rank i."""
+    stage_modules: tuple[str, ...] | None = None
+    """Submodules forming each stage, one entry per stage with comma-separated qualified names,
+    e.g. ('text', 'image', 'head,norm'): stages that do not feed each other run concurrently
+    (a graph pipeline; see conveyor.split.split_by_modules)."""
+    auto_split: bool = False
+    """Trace the model and cut it into one stage per rank (or per placement entry) for the
+    shortest step, independent branches on different ranks (conveyor.autosplit)."""
     stage_checkpoint: tuple[Literal["always", "except_last", "never"], ...] | None = None
     """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
     (conveyor.plan) writes it."""
@@ -58,6 +65,15 @@ class PipelineConfig:
         if self.balance is not None and self.split_points is not None:
             raise ValueError("pass balance or split_points, not both: balance counts layers of "
                              "an nn.Sequential, split_points name submodules of any module")
+        ways = [name for name in ("balance", "split_points", "stage_modules")
+                if getattr(self, name) is not None] + (["auto_split"] if self.auto_split else [])
+        if len(ways) > 1:
+            raise ValueError(f"pass one way to split, got {ways}: balance (nn.Sequential), "
+                             "split_points (a chain), stage_modules (a graph by hand) or "
+                             "auto_split=True")
+        if self.stage_modules is not None and not all(m.strip(" ,") for m in self.stage_modules):
+            raise ValueError(f"stage_modules {list(self.stage_modules)} has an empty stage; "
+                             "give each stage at least one submodule name")
         if self.balance is not None and any(b < 1 for b in self.balance):
             raise ValueError(f"balance {list(self.balance)} has a count below 1; every stage "
                              "needs at least one layer")
@@ -76,11 +92,13 @@ class PipelineConfig:
 
     @property
     def num_stages(self) -> int | None:
-        """Stages implied by balance or split points; None when neither is given."""
+        """Stages implied by balance, split points or stage modules; None otherwise."""
         if self.balance is not None:
             return len(self.balance)
         if self.split_points is not None:
             return len(self.split_points) + 1
+        if self.stage_modules is not None:
+            return len(self.stage_modules)
         return None
 
 

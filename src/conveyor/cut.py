@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -121,10 +122,9 @@ def best_cut(graph: DataflowGraph, num_stages: int, num_microbatches: int = 4) -
     candidates = [cut_in_order(graph, natural, num_stages, num_microbatches)]
     branches = branch_order(graph.inputs)
     if branches != natural:
-        try:
+        # the other order may fail, e.g. when only the natural one keeps shared weights apart
+        with contextlib.suppress(ValueError):
             candidates.append(cut_in_order(graph, branches, num_stages, num_microbatches))
-        except ValueError:  # e.g. shared weights that only the natural order keeps together
-            pass
     return _fastest(candidates)
 
 
@@ -171,7 +171,7 @@ def _fastest(cuts: Sequence[Cut]) -> Cut:
 def _cut_positions(graph: DataflowGraph, order: Sequence[int],
                    position: dict[int, int]) -> list[int]:
     """Positions where a stage may start: 0, unit boundaries outside ``together``, the end."""
-    blocked = set()
+    blocked: set[int] = set()
     for group in graph.together:
         places = [position[node] for node in group]
         blocked.update(range(min(places) + 1, max(places) + 1))

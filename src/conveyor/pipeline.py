@@ -16,13 +16,21 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor import microbatch
+from conveyor.autosplit import auto_split
 from conveyor.comm import P2P, Meta
 from conveyor.config import PipelineConfig, read_plan
+from conveyor.graph import StageGraph
 from conveyor.memory import MemoryReport
 from conveyor.runtime import LossFn, Runtime, StepInputs
 from conveyor.schedule import Schedule, build_program, forward_only
 from conveyor.simulate import execute
-from conveyor.split import balance_to_split_points, bind_inputs, even_balance, split_model
+from conveyor.split import (
+    balance_to_split_points,
+    bind_inputs,
+    even_balance,
+    split_by_modules,
+    split_model,
+)
 from conveyor.trace import Recorder, Timeline, merge
 
 __all__ = ["Pipeline"]
@@ -43,11 +51,11 @@ class Pipeline:
     more than its own stages.
     """
 
-    def __init__(self, model: nn.Module, config: PipelineConfig | None = None, *,
+    def __init__(self, model: nn.Module | StageGraph, config: PipelineConfig | None = None, *,
                  loss_fn: LossFn | None = None, group: dist.ProcessGroup | None = None,
                  device: torch.device | str | None = None, schedule: str | Schedule | None = None,
                  concrete_args: dict[str, Any] | None = None, plan: str | os.PathLike[str]
-                 | None = None, **options: Any) -> None:
+                 | None = None, example_inputs: Any = None, **options: Any) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; launch with `conveyor run "
                                "-n N script.py` (or torchrun) and call "
@@ -70,8 +78,8 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else _default_device(group)
         self.loss_fn = loss_fn
         self._model = model
-        self.split_points = _split_points(model, config, self.num_ranks)
-        self.graph = split_model(model, self.split_points, config.placement, concrete_args)
+        self.split_points, self.graph = _split(model, config, self.num_ranks, concrete_args,
+                                               example_inputs)
         if self.graph.num_ranks != self.num_ranks:
             raise ValueError(f"the split places stages on {self.graph.num_ranks} ranks but the "
                              f"process group has {self.num_ranks}; launch with "
@@ -245,7 +253,8 @@ class Pipeline:
         estimate = execute(self.program, self.topology)
         return (f"schedule={self.config.schedule} stages={self.graph.num_stages} "
                 f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
-                f"split before {list(self.split_points)} checkpoint={self.config.checkpoint} "
+                f"{_split_summary(self.graph, self.split_points)} "
+                f"checkpoint={self.config.checkpoint} "
                 f"est. bubble={estimate.bubble_fraction:.0%}")
 
     def program_text(self) -> str:
@@ -276,7 +285,38 @@ def _with_plan(config: PipelineConfig, fields: dict[str, Any]) -> PipelineConfig
         config = dataclasses.replace(config, split_points=None)
     if "split_points" in fields:
         config = dataclasses.replace(config, balance=None)
+    if {"balance", "split_points", "stage_modules", "auto_split"} & set(fields):
+        config = dataclasses.replace(config, stage_modules=None, auto_split=False)
     return dataclasses.replace(config, **fields)
+
+
+def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
+    """'split before [...]' for a chain; the edges and depth of a graph pipeline."""
+    if graph.depth == graph.num_stages:
+        return f"split before {list(split_points)}"
+    edges = [f"{s.index}->{c}" for s in graph.stages for c in graph.consumers(s.index)]
+    return f"graph depth={graph.depth} edges={edges}"
+
+
+def _split(model: nn.Module | StageGraph, config: PipelineConfig, num_ranks: int,
+           concrete_args: dict[str, Any] | None,
+           example_inputs: Any) -> tuple[tuple[str, ...], StageGraph]:
+    """(split points, StageGraph): a prebuilt graph, stage_modules, auto_split, or a chain cut
+    before split points (see conveyor.split)."""
+    if isinstance(model, StageGraph):
+        if any(s.module is None for s in model.stages):
+            raise ValueError("the StageGraph has stages without modules (a topology); pass a "
+                             "graph from conveyor.split, or the model itself")
+        return (), model
+    if config.stage_modules is not None:
+        return (), split_by_modules(model, config.stage_modules, config.placement, concrete_args)
+    if config.auto_split:
+        num_stages = len(config.placement) if config.placement is not None else num_ranks
+        return (), auto_split(model, num_stages, example_inputs=example_inputs,
+                              num_microbatches=config.num_microbatches,
+                              placement=config.placement, concrete_args=concrete_args)
+    split_points = _split_points(model, config, num_ranks)
+    return split_points, split_model(model, split_points, config.placement, concrete_args)
 
 
 def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> tuple[str, ...]:
@@ -294,7 +334,9 @@ def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> t
         elif num_ranks > 1:
             raise ValueError(f"cannot split a {type(model).__name__} over {num_ranks} ranks "
                              "without split points; pass split_points=[...] naming the "
-                             "submodules that start stages 1.., e.g. ['layers.4']")
+                             "submodules that start stages 1.., e.g. ['layers.4'], "
+                             "stage_modules=(...) naming each stage's submodules, or "
+                             "auto_split=True")
         else:
             split_points = ()
     return tuple(split_points)

@@ -121,8 +121,8 @@ def skippable(stash: Sequence[str] = (), pop: Sequence[str] = ()) -> Callable[[t
                                    "call (stash None when there is nothing to pass)")
             return output, scope.stashed
 
-        cls.forward = forward  # type: ignore[method-assign]  # wrapping is the point
-        cls._conveyor_skips = SkipNames(stashes, pops)  # type: ignore[attr-defined]  # marker
+        cls.forward = forward
+        setattr(cls, "_conveyor_skips", SkipNames(stashes, pops))  # noqa: B010  # read by _declared
         return cls
 
     return decorate

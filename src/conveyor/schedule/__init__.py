@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conveyor.graph import PlacementStyle, StageGraph
 from conveyor.schedule.chain import forward_only, gpipe, one_f_one_b
+from conveyor.schedule.graph import graph_1f1b, graph_gpipe, list_schedule
 from conveyor.schedule.interleaved import interleaved_1f1b
 from conveyor.schedule.program import Action, Kind, Program, add_communication
 from conveyor.schedule.validate import ProgramError, validate
@@ -15,8 +16,8 @@ from conveyor.schedule.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "LAYOUTS", "SCHEDULES", "Action", "Kind", "Layout", "Program", "ProgramError", "Schedule",
-    "build_program", "forward_only", "from_text", "gpipe", "interleaved_1f1b", "layout_of",
-    "one_f_one_b", "validate", "zb_h1", "zb_v",
+    "build_program", "forward_only", "from_text", "gpipe", "graph_1f1b", "graph_gpipe",
+    "interleaved_1f1b", "layout_of", "list_schedule", "one_f_one_b", "validate", "zb_h1", "zb_v",
 ]
 
 Schedule = Callable[[StageGraph, int], Program]
@@ -28,6 +29,8 @@ SCHEDULES: dict[str, Schedule] = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
     "zb-v": zb_v,
+    "graph-gpipe": graph_gpipe,
+    "graph-1f1b": graph_1f1b,
 }
 """Schedules by name, as ``Pipeline(schedule=...)`` and the CLI accept them."""
 
