@@ -167,8 +167,9 @@ class Runtime:
         See Note [micro-batch randomness].
         """
         producers = self.graph.producers(s)
-        if not producers:
-            return microbatch_seed(self.seed, self._step.step_index, k)
+        if not producers:  # a parallel first stage (another branch) draws from its own stream
+            seed = microbatch_seed(self.seed, self._step.step_index, k)
+            return seed if s == 0 else microbatch_seed(seed, s, 0)
         parent = producers[-1]
         if parent not in received:
             return self._state.rng_end[(parent, k)]
