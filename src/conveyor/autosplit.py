@@ -24,6 +24,7 @@ from conveyor.split import (
     _COMPUTE_OPS,
     _HOW_TO_ANNOTATE,
     _place_attributes,
+    _sink_duplicates,
     bind_inputs,
     build_stage_graph,
     trace,
@@ -84,6 +85,8 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
     logger.info("auto split: stage costs %s, depth %d, est. 1F1B step %.3g (cost units)",
                 [f"{c:.3g}" for c in plan.stage_costs], plan.depth, plan.step_time)
     assignment = {n: plan.stage_of[i] for n, i in index.items()}
+    assignment[next(n for n in graph.nodes if n.op == "output")] = num_stages - 1
+    _sink_duplicates(graph, assignment)
     for node in graph.nodes:
         if node.op == "placeholder":
             assignment[node] = 0
@@ -136,13 +139,22 @@ def _measure(model: nn.Module, graph: fx.Graph,
             with FlopCounterMode(display=False) as counter:
                 result = super().run_node(n)
             tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
-            weights[n] = float(counter.get_total_flops() + sum(t.numel() for t in tensors))
+            # views (x[:, None], transpose) move nothing; new tensors cost what they write
+            inputs = {_storage(t) for t in pytree.tree_leaves([self.env.get(a) for a in
+                                                               n.all_input_nodes])
+                      if isinstance(t, torch.Tensor)}
+            written = sum(t.numel() for t in tensors if _storage(t) not in inputs)
+            weights[n] = float(counter.get_total_flops() + written)
             sizes[n] = float(sum(t.numel() * t.element_size() for t in tensors))
             return result
 
     with torch.no_grad():
         _Counting(module).run(*args)
     return weights, sizes
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return 0 if tensor.is_meta else tensor.untyped_storage().data_ptr()
 
 
 def _parameters_used(model: nn.Module, node: fx.Node) -> int:

@@ -318,12 +318,40 @@ def _annotated_assignment(graph: fx.Graph, table: dict[str, int],
         elif node.op in _COMPUTE_OPS and node not in stage:
             users = [stage[u] for u in node.users]
             stage[node] = min(users) if users else max(origins[node], default=0)
+    _sink_duplicates(graph, stage, table)
     for node in graph.nodes:
         if node.op == "placeholder":
             stage[node] = 0
     _place_attributes(graph, stage, num_stages)
     _check_dataflow(graph, stage, num_stages)
     return stage
+
+
+def _sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int],
+                     table: dict[str, int] | None = None) -> None:
+    """Move functions (``x[:, None]``, ``x.view(...)``) that use no parameter and no annotated
+    module into the stage that uses them when that stage receives all their inputs anyway:
+    sending the result as well would only duplicate bytes."""
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            if node.op not in ("call_function", "call_method") or not node.users:
+                continue
+            if table is not None and _annotation(node, table) is not None:
+                continue
+            if any(p.op == "get_attr" for p in node.all_input_nodes):
+                continue
+            target = min(stage[u] for u in node.users)
+            if target <= stage[node]:
+                continue
+            received = all(
+                p.op in ("placeholder", "get_attr") or stage[p] == target
+                or any(u is not node and stage.get(u) == target for u in p.users)
+                for p in node.all_input_nodes)
+            if received:
+                stage[node] = target
+                changed = True
 
 
 def _annotation(node: fx.Node, table: dict[str, int]) -> int | None:

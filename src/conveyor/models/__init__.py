@@ -1,5 +1,6 @@
 """Models that ship with conveyor, for the demo, examples, tests and benchmarks."""
 
+from conveyor.models.dlrm import DLRM, click_batches, click_loss, dlrm
 from conveyor.models.gpt import (
     Block,
     Embedding,
@@ -11,8 +12,12 @@ from conveyor.models.gpt import (
     text_batches,
     unigram_entropy,
 )
+from conveyor.models.multimodal import TwoTower, classification_loss, multimodal_batches, two_tower
+from conveyor.models.unet import segmentation_batches, segmentation_loss, unet
 
 __all__ = [
-    "Block", "Embedding", "Head", "char_corpus", "char_ids", "gpt", "gpt_loss", "text_batches",
-    "unigram_entropy",
+    "DLRM", "Block", "Embedding", "Head", "TwoTower", "char_corpus", "char_ids",
+    "classification_loss", "click_batches", "click_loss", "dlrm", "gpt", "gpt_loss",
+    "multimodal_batches", "segmentation_batches", "segmentation_loss", "text_batches",
+    "two_tower", "unet", "unigram_entropy",
 ]
