@@ -60,6 +60,7 @@ class DLRM(nn.Module):
         self.embeddings = Embeddings(table_sizes, dim)
         num_features = len(table_sizes) + 1
         pairs = torch.triu_indices(num_features, num_features, offset=1)
+        self.pairs: torch.Tensor
         self.register_buffer("pairs", pairs, persistent=False)
         num_pairs = num_features * (num_features - 1) // 2
         self.top = mlp([dim + num_pairs, *top, 1], last_activation=False)
@@ -69,7 +70,8 @@ class DLRM(nn.Module):
         features = torch.cat([x[:, None], self.embeddings(sparse)], dim=1)
         products = features @ features.transpose(1, 2)
         interactions = products[:, self.pairs[0], self.pairs[1]]
-        return self.top(torch.cat([x, interactions], dim=1)).squeeze(-1)
+        logits: torch.Tensor = self.top(torch.cat([x, interactions], dim=1))
+        return logits.squeeze(-1)
 
 
 def dlrm(num_dense: int = 13, num_tables: int = 8, table_size: int = 1000, dim: int = 16,

@@ -46,7 +46,8 @@ class EncoderBlock(nn.Module):
             scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
         x = x + self.dropout(self.proj(y))
-        return x + self.dropout(self.mlp(self.norm2(x)))
+        out: torch.Tensor = x + self.dropout(self.mlp(self.norm2(x)))
+        return out
 
 
 def _pool(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -103,7 +104,8 @@ class FusionHead(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(2 * dim, dim), nn.GELU(), nn.Linear(dim, num_classes))
 
     def forward(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        return self.mlp(torch.cat([text, image], dim=-1))
+        logits: torch.Tensor = self.mlp(torch.cat([text, image], dim=-1))
+        return logits
 
 
 class TwoTower(nn.Module):
@@ -117,7 +119,8 @@ class TwoTower(nn.Module):
 
     def forward(self, tokens: torch.Tensor, patches: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.text(tokens, mask), self.image(patches))
+        logits: torch.Tensor = self.head(self.text(tokens, mask), self.image(patches))
+        return logits
 
 
 def two_tower(vocab_size: int = 64, seq_len: int = 16, num_patches: int = 32,

@@ -44,7 +44,8 @@ class Down(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features = self.conv(x)
         stash("skip", features)
-        return self.pool(features)
+        pooled: torch.Tensor = self.pool(features)
+        return pooled
 
 
 class Bottom(nn.Module):
@@ -55,7 +56,8 @@ class Bottom(nn.Module):
         self.conv = _convolutions(in_channels, out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)
+        out: torch.Tensor = self.conv(x)
+        return out
 
 
 @skippable(pop=["skip"])
@@ -68,7 +70,8 @@ class Up(nn.Module):
         self.conv = _convolutions(in_channels // 2 + skip_channels, out_channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(torch.cat([self.up(x), pop("skip")], dim=1))
+        out: torch.Tensor = self.conv(torch.cat([self.up(x), pop("skip")], dim=1))
+        return out
 
 
 class SegmentationHead(nn.Module):
@@ -79,7 +82,8 @@ class SegmentationHead(nn.Module):
         self.out = nn.Conv2d(in_channels, num_classes, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(x)
+        logits: torch.Tensor = self.out(x)
+        return logits
 
 
 def unet(in_channels: int = 3, num_classes: int = 2, width: int = 8,
