@@ -145,6 +145,12 @@ def trace(model: nn.Module, split_points: Sequence[str] = (),
         raise TypeError(
             f"cannot trace {type(model).__name__} with torch.fx to split it: tracing stopped "
             f"at {type(error).__name__}: {error}{inside}{_where(error)}. {advice}") from error
+    taken = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
+    for node in graph.nodes:  # fx renames specialized arguments ('scale' -> 'scale_1')
+        base = str(node.target).rpartition("_")[0]
+        if node.op == "placeholder" and concrete_args and base in concrete_args \
+                and base not in taken:
+            node.target = base
     if tracer.skips:
         owners = ", ".join(f"{name!r} (stashed by {tracer.skip_owner[name]})"
                            for name in tracer.skips)
@@ -249,7 +255,8 @@ def split_by_modules(model: nn.Module, stages: StageAnnotation,
     concurrently. The code between annotated modules (adds, concatenations, reshapes) joins
     the stage its inputs come from when they all come from one stage, and otherwise the
     first stage that uses its result. A name's submodules go with it unless they are named
-    themselves. Only modules that contain an annotated one are traced.
+    themselves; then the code of the module around them is glue too. Only modules that
+    contain an annotated one are traced.
 
     Raises:
         ValueError: an unknown name, a stage with no computation, or stages numbered against
@@ -318,7 +325,7 @@ def _annotated_assignment(graph: fx.Graph, table: dict[str, int],
         elif node.op in _COMPUTE_OPS and node not in stage:
             users = [stage[u] for u in node.users]
             stage[node] = min(users) if users else max(origins[node], default=0)
-    _sink_duplicates(graph, stage, table)
+    _sink_duplicates(graph, stage)
     for node in graph.nodes:
         if node.op == "placeholder":
             stage[node] = 0
@@ -327,18 +334,15 @@ def _annotated_assignment(graph: fx.Graph, table: dict[str, int],
     return stage
 
 
-def _sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int],
-                     table: dict[str, int] | None = None) -> None:
-    """Move functions (``x[:, None]``, ``x.view(...)``) that use no parameter and no annotated
-    module into the stage that uses them when that stage receives all their inputs anyway:
+def _sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int]) -> None:
+    """Move functions (``x[:, None]``, ``x.view(...)``) that use no parameter into the stage
+    that uses them when that stage receives all their inputs anyway:
     sending the result as well would only duplicate bytes."""
     changed = True
     while changed:
         changed = False
         for node in graph.nodes:
             if node.op not in ("call_function", "call_method") or not node.users:
-                continue
-            if table is not None and _annotation(node, table) is not None:
                 continue
             if any(p.op == "get_attr" for p in node.all_input_nodes):
                 continue
@@ -355,21 +359,26 @@ def _sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int],
 
 
 def _annotation(node: fx.Node, table: dict[str, int]) -> int | None:
-    """Stage of the innermost annotated module that ``node`` runs in, if any."""
-    paths = [str(node.target)] if node.op == "call_module" else []
-    paths += [path for path, _ in reversed(list(node.meta.get("nn_module_stack", {}).values()))]
-    for path in paths:
-        while path:
-            if path in table:
-                return table[path]
-            path = path.rpartition(".")[0]
+    """Stage of the innermost annotated module around a module call, if any.
+
+    Only calls of whole modules carry annotations: the traced modules are the ones that
+    contain an annotated module, and their own code is glue between annotated parts.
+    """
+    if node.op != "call_module":
+        return None
+    path = str(node.target)
+    while path:
+        if path in table:
+            return table[path]
+        path = path.rpartition(".")[0]
     return None
 
 
 def _check_dataflow(graph: fx.Graph, stage: dict[fx.Node, int], num_stages: int) -> None:
-    for node in graph.nodes:
-        for producer in node.all_input_nodes:
-            if producer.op in ("placeholder", "get_attr") or stage[producer] <= stage[node]:
+    modules = [n for n in graph.nodes if n.op == "call_module"]
+    for node in modules + list(graph.nodes):  # name two modules if a module is to blame
+        for producer in _feeding(node, only_modules=node.op == "call_module"):
+            if stage[producer] <= stage[node]:
                 continue
             raise ValueError(
                 f"stage annotations go against the dataflow: {_describe(node)} in stage "
@@ -380,6 +389,22 @@ def _check_dataflow(graph: fx.Graph, stage: dict[fx.Node, int], num_stages: int)
     if empty:
         raise ValueError(f"stages {empty} run no computation: their modules are never called "
                          "by forward; annotate modules that forward calls")
+
+
+def _feeding(node: fx.Node, only_modules: bool) -> list[fx.Node]:
+    """Computing nodes whose values ``node`` uses; with ``only_modules``, the module calls
+    found by looking through the code in between."""
+    found, todo, seen = [], list(node.all_input_nodes), set()
+    while todo:
+        producer = todo.pop()
+        if producer in seen or producer.op in ("placeholder", "get_attr"):
+            continue
+        seen.add(producer)
+        if not only_modules or producer.op == "call_module":
+            found.append(producer)
+        else:
+            todo += producer.all_input_nodes
+    return found
 
 
 def _describe(node: fx.Node) -> str:
