@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from contextvars import ContextVar
+from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
@@ -22,19 +21,24 @@ logger = logging.getLogger(__name__)
 _recomputing: ContextVar[bool] = ContextVar("conveyor_recomputing", default=False)
 
 
-@contextmanager
-def _mark_recomputing() -> Iterator[None]:
-    token = _recomputing.set(True)
-    try:
-        yield
-    finally:
-        _recomputing.reset(token)
+class _Recomputing:
+    """Marks the body as a recomputation; reusable, as a checkpoint may recompute twice (for
+    a split backward's I and W)."""
+
+    def __init__(self) -> None:
+        self._tokens: list[Token[bool]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_recomputing.set(True))
+
+    def __exit__(self, *exc: object) -> None:
+        _recomputing.reset(self._tokens.pop())
 
 
 def recompute_context() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """``context_fn`` for ``torch.utils.checkpoint``: the recomputation in backward runs
     marked, so DeferredBatchNorm does not count a micro-batch twice."""
-    return nullcontext(), _mark_recomputing()
+    return nullcontext(), _Recomputing()
 
 
 # See Note [deferred batch norm]
@@ -53,6 +57,12 @@ class DeferredBatchNorm(nn.Module):
     layers by this one, keeping their parameters and running buffers (same tensors, names and
     state_dict keys).
     """
+
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, num_microbatches: int = 1) -> None:
@@ -85,8 +95,8 @@ class DeferredBatchNorm(nn.Module):
                            num_microbatches)
             deferred.weight, deferred.bias = module.weight, module.bias
             deferred.running_mean = module.running_mean
-            deferred.running_var = module.running_var
-            deferred.num_batches_tracked = module.num_batches_tracked
+            deferred.running_var = module.running_var  # type: ignore[assignment]  # tracked
+            deferred.num_batches_tracked = module.num_batches_tracked  # type: ignore[assignment]
             deferred.train(module.training)
             return deferred
         for name, child in module.named_children():

@@ -29,7 +29,8 @@ class PipelineConfig:
     num_microbatches: int = 4
     """Micro-batches per step. Fewer than the number of stages leaves ranks idle."""
     schedule: str = "1f1b"
-    """Schedule name (see conveyor.schedule.SCHEDULES) or a schedule file."""
+    """Schedule name (see conveyor.schedule.SCHEDULES: gpipe, 1f1b, interleaved-1f1b, zb-h1,
+    zb-v, ...) or a schedule file (one line of actions per rank; docs/schedules.md)."""
     checkpoint: Literal["always", "except_last", "never"] = "never"
     """Activation checkpointing: recompute forwards in backward (torchgpipe semantics;
     'except_last' keeps the last micro-batch's activations, which are used at once)."""
@@ -41,7 +42,21 @@ class PipelineConfig:
     timeout_s: float = 60.0
     """Longest wait for a peer before the rank fails, naming the peer and the action."""
     placement: tuple[int, ...] | None = None
-    """Rank of each stage; default: stage i on rank i."""
+    """Rank of each stage; default: stage i on rank i, or placement_style with more stages
+    than ranks (virtual stages)."""
+    virtual_stages: int | None = None
+    """Stages per rank when balance, split points or stage modules do not fix the count;
+    default: what the schedule needs (2 for interleaved-1f1b and zb-v, else 1)."""
+    placement_style: Literal["loop", "v"] | None = None
+    """How stages share ranks when placement is not given: 'loop' (stage s on rank s mod p,
+    interleaved-1f1b) or 'v' (down the ranks and back, zb-v); default: the schedule's."""
+    tie_weights: tuple[str, ...] = ()
+    """Parameters to keep as one across stages: each entry a comma-separated group of
+    qualified names, e.g. '0.tokens.weight,5.out.weight'. One Parameter object reached from
+    several stages is tied without being listed."""
+    deferred_batch_norm: bool = False
+    """Replace the model's BatchNorm layers by conveyor.batchnorm.DeferredBatchNorm, so the
+    running statistics are those of the whole mini-batch (torchgpipe semantics)."""
     stage_modules: tuple[str, ...] | None = None
     """Submodules forming each stage, one entry per stage with comma-separated qualified names,
     e.g. ('text', 'image', 'head,norm'): stages that do not feed each other run concurrently
@@ -84,6 +99,16 @@ class PipelineConfig:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.virtual_stages is not None and self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.placement_style not in (None, "loop", "v"):
+            raise ValueError(f"placement_style must be 'loop' or 'v', got "
+                             f"{self.placement_style!r}")
+        for group in self.tie_weights:
+            if len([n for n in group.split(",") if n.strip()]) < 2:
+                raise ValueError(f"tie_weights entry {group!r} names fewer than two "
+                                 "parameters; give a comma-separated group such as "
+                                 "'0.tokens.weight,5.out.weight'")
         if self.stage_checkpoint is not None:
             wrong = [m for m in self.stage_checkpoint if m not in CHECKPOINT_MODES]
             if wrong:

@@ -17,12 +17,13 @@ from torch import nn
 
 from conveyor import microbatch
 from conveyor.autosplit import auto_split
+from conveyor.batchnorm import DeferredBatchNorm
 from conveyor.comm import P2P, Meta
 from conveyor.config import PipelineConfig, read_plan
-from conveyor.graph import StageGraph
+from conveyor.graph import StageGraph, place
 from conveyor.memory import MemoryReport
 from conveyor.runtime import LossFn, Runtime, StepInputs
-from conveyor.schedule import Schedule, build_program, forward_only
+from conveyor.schedule import Schedule, build_program, forward_only, layout_of
 from conveyor.simulate import execute
 from conveyor.split import (
     balance_to_split_points,
@@ -31,6 +32,7 @@ from conveyor.split import (
     split_by_modules,
     split_model,
 )
+from conveyor.tied import TiedWeights, find_ties
 from conveyor.trace import Recorder, Timeline, merge
 
 __all__ = ["Pipeline"]
@@ -77,6 +79,10 @@ class Pipeline:
         self.num_ranks = dist.get_world_size(group)
         self.device = torch.device(device) if device is not None else _default_device(group)
         self.loss_fn = loss_fn
+        if config.deferred_batch_norm and isinstance(model, nn.Module):
+            model = DeferredBatchNorm.convert(model, config.num_microbatches)
+        if not isinstance(model, StageGraph):
+            config = self.config = _with_layout(config, self.num_ranks)
         self._model = model
         self.split_points, self.graph = _split(model, config, self.num_ranks, concrete_args,
                                                example_inputs)
@@ -93,9 +99,12 @@ class Pipeline:
         self.program = build_program(schedule if callable(schedule) else config.schedule,
                                      self.topology, config.num_microbatches)
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
+        ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
         self.stages = {s: _materialize(self.graph.stages[s].module, self.device)
                        for s in self.graph.stages_on(self.rank)}
-        self._check_untied()
+        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
+        """Parameters shared by stages on several ranks; see Note [tied weights]."""
+        self.ties.equalize()
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(self.graph, self.rank, p2p, self.device, loss_fn,
                                 config.stage_checkpoint or config.checkpoint, config.seed)
@@ -123,7 +132,9 @@ class Pipeline:
                              f"{'set' if self.loss_fn else 'None'}, targets is "
                              f"{'set' if targets is not None else 'None'}); use forward() "
                              "for inference")
+        before = self.ties.gradients()
         state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
+        self.ties.sum_gradients(before)
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1
@@ -171,7 +182,9 @@ class Pipeline:
         if self.config.trace_dir:
             directory = os.path.abspath(self.config.trace_dir)
             os.makedirs(directory, exist_ok=True)
-            sink = open(os.path.join(directory, f"rank{self.rank}.jsonl"), "w")  # noqa: SIM115
+            # line-buffered: each step is on disk when step() returns, even if the run dies
+            sink = open(os.path.join(directory, f"rank{self.rank}.jsonl"), "w",  # noqa: SIM115
+                        buffering=1)
             sink.write(json.dumps({**recorder.header(), "meta": self._trace_meta()}) + "\n")
             recorder.sink = sink
             weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
@@ -260,17 +273,6 @@ class Pipeline:
     def program_text(self) -> str:
         return str(self.program)
 
-    def _check_untied(self) -> None:
-        owners: dict[str, list[int]] = {}
-        for stage in self.graph.stages:
-            if stage.module is not None:
-                for name, _ in stage.module.named_parameters():
-                    owners.setdefault(name, []).append(stage.index)
-        shared = {n: s for n, s in owners.items() if len({self.graph.rank_of(i) for i in s}) > 1}
-        if shared:
-            raise ValueError(f"parameters {sorted(shared)[:4]} are used by stages on different "
-                             "ranks (tied weights); tie them explicitly or keep their users on "
-                             "one rank")
 
 
 PLAN_ENV = "CONVEYOR_PLAN"
@@ -319,13 +321,33 @@ def _split(model: nn.Module | StageGraph, config: PipelineConfig, num_ranks: int
     return split_points, split_model(model, split_points, config.placement, concrete_args)
 
 
+def _with_layout(config: PipelineConfig, num_ranks: int) -> PipelineConfig:
+    """``config`` with the rank of every stage: virtual stages (more stages than ranks) are
+    placed by placement_style, by default as the schedule wants (graph.place)."""
+    layout = layout_of(config.schedule)
+    per_rank = config.virtual_stages or layout.virtual_stages
+    num_stages = config.num_stages
+    if config.virtual_stages is not None and num_stages not in (None, per_rank * num_ranks):
+        raise ValueError(f"virtual_stages={per_rank} on {num_ranks} ranks makes "
+                         f"{per_rank * num_ranks} stages, but the split has {num_stages}; "
+                         "drop virtual_stages or give a split with that many stages")
+    if config.placement is not None or config.auto_split:
+        return config
+    num_stages = num_stages or per_rank * num_ranks
+    if num_stages % num_ranks:
+        return config  # stage i on rank i; the split then says the counts do not match
+    style = config.placement_style or layout.placement
+    return dataclasses.replace(config, placement=tuple(place(num_stages, num_ranks, style)))
+
+
 def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> tuple[str, ...]:
     """Where to cut: the configured split points, or the layers that start each stage of an
     nn.Sequential split by balance (even by default)."""
     split_points = config.split_points
     if split_points is None:
         if isinstance(model, nn.Sequential):
-            balance = config.balance or even_balance(len(model), config.num_stages or num_ranks)
+            num_stages = config.num_stages or len(config.placement or range(num_ranks))
+            balance = config.balance or even_balance(len(model), num_stages)
             split_points = tuple(balance_to_split_points(model, balance))
         elif config.balance is not None:
             raise TypeError(f"balance splits an nn.Sequential, but the model is a "
