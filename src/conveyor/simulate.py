@@ -95,7 +95,11 @@ def execute(program: Program, graph: StageGraph, cost: CostModel | None = None, 
     Raises:
         DeadlockError: a rank waits forever, or a receive would get another action's message.
     """
-    return _Execution(program, graph, cost or UnitCost(), record).run()
+    cost = cost or UnitCost()
+    timeline = _Execution(program, graph, cost, record).run()
+    if isinstance(cost, UnitCost):
+        timeline.meta["time_unit"] = "units"
+    return timeline
 
 
 class _Execution:

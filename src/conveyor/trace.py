@@ -110,7 +110,8 @@ class Timeline:
     source: str = "measured"
     """'measured' or 'simulated'."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """What ran: schedule, micro-batches, model, ... (shown in titles, kept in files)."""
+    """What ran: schedule, micro-batches, model, ... (shown in titles, kept in files);
+    ``time_unit`` 'units' marks a timeline in abstract units rather than seconds."""
 
     def on(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
@@ -184,7 +185,9 @@ class Timeline:
         """One line: source, what ran, step time and bubble fraction."""
         what = " ".join(f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches")
                         if k in self.meta)
-        return (f"{self.source}{' ' + what if what else ''}: step {_seconds(self.step_time)}, "
+        step = (f"{self.step_time:g} units" if self.meta.get("time_unit") == "units"
+                else f"{self.step_time * 1e3:.2f} ms")
+        return (f"{self.source}{' ' + what if what else ''}: step {step}, "
                 f"bubble {self.bubble_fraction:.1%}")
 
     def shifted(self, origin: float) -> Timeline:
@@ -227,10 +230,6 @@ def _matching_send(recv: str) -> str:
     assert match is not None and match.group(4) is not None
     stage, kind, microbatch, peer = match.groups()
     return f"{peer}S{kind[1]}{microbatch}>{stage}"
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1e3:.2f} ms" if value < 10 else f"{value:.4g} units"
 
 
 def _bytes(value: float) -> str:
@@ -445,8 +444,8 @@ def write_png(path: str | Path, *timelines: Timeline, title: str | None = None,
 
     if not timelines:
         raise ValueError("write_png needs at least one timeline")
-    unit = scale if scale is not None else (1e3 if max(t.step_time for t in timelines) < 10
-                                            else 1.0)
+    in_units = any(t.meta.get("time_unit") == "units" for t in timelines)
+    unit = scale if scale is not None else (1.0 if in_units else 1e3)
     span = max(t.step_time for t in timelines) * unit
     rows = sum(t.num_ranks for t in timelines)
     fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,

@@ -1,0 +1,216 @@
+"""Timelines: summary arithmetic, the recorder, run files, Chrome trace and PNG renderers, and
+(on two gloo ranks) recorded runs of every schedule against their Programs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conveyor import Pipeline
+from conveyor.graph import place
+from conveyor.schedule import SCHEDULES, layout_of
+from conveyor.trace import (
+    Event,
+    Recorder,
+    Timeline,
+    chrome_trace,
+    load_run,
+    render_grid,
+    write_chrome,
+    write_png,
+)
+from dist import run_ranks
+
+
+def _two_ranks() -> Timeline:
+    # rank 0: F, send, waits 2.0 for a gradient sent at 2.5 (0.5 of it is transfer), B
+    # rank 1: waits 1.5 for an activation sent at 1.0, F, B, sends the gradient
+    return Timeline(2, [
+        Event(0, "0F0", 0.0, 1.0, memory=100), Event(0, "0SF0>1", 1.0, 1.1, bytes=64),
+        Event(0, "wait 0RB0<1", 1.1, 3.0, bytes=64), Event(0, "0B0", 3.0, 5.0),
+        Event(1, "wait 1RF0<0", 0.0, 1.5), Event(1, "1F0", 1.5, 2.5, memory=50),
+        Event(1, "1B0", 2.5, 2.5), Event(1, "1SB0>0", 2.5, 2.6, bytes=64),
+    ], meta={"schedule": "gpipe", "microbatches": 1})
+
+
+def test_summary_splits_each_rank_into_busy_comm_wait_and_bubble() -> None:
+    timeline = _two_ranks()
+    rank0, rank1 = timeline.summary()
+    assert timeline.step_time == 5.0
+    assert rank0.busy == pytest.approx(3.0 / 5)
+    assert rank0.comm_wait == pytest.approx((0.1 + (3.0 - 2.5)) / 5)  # the send, then transfer
+    assert rank0.bubble == pytest.approx(1 - 3.0 / 5 - 0.6 / 5)
+    assert rank1.busy == pytest.approx(1.0 / 5)
+    assert rank1.comm_wait == pytest.approx((0.5 + 0.1) / 5)  # from the send at 1.0, and its own
+    assert (rank0.peak_memory, rank1.peak_memory) == (100, 50)
+    assert timeline.bubble_fraction == pytest.approx(1 - 4.0 / 10)
+    text = timeline.summary_text()
+    assert "schedule=gpipe" in text and "step 5000.00 ms" in text and "bubble 60.0%" in text
+    assert text.splitlines()[2].split()[:4] == ["0", "60.0%", "28.0%", "12.0%"]
+
+
+def test_events_know_their_kind_stage_and_microbatch() -> None:
+    kinds = {a: Event(0, a, 0, 1).kind for a in ("1F2", "1B2", "1I2", "1W2", "0SF3>1",
+                                                 "1RB0<2", "wait 1RF0<0", "wait sends")}
+    assert kinds == {"1F2": "forward", "1B2": "backward", "1I2": "backward_input",
+                     "1W2": "backward_weight", "0SF3>1": "send", "1RB0<2": "recv",
+                     "wait 1RF0<0": "wait", "wait sends": "wait"}
+    assert (Event(0, "3I12", 0, 1).stage, Event(0, "3I12", 0, 1).microbatch) == (3, 12)
+    assert Event(0, "wait 1RF0<0", 0, 1).waited_for == "1RF0<0"
+    assert Event(0, "wait sends", 0, 1).waited_for is None
+
+
+def test_timeline_files_round_trip(tmp_path: Path) -> None:
+    timeline = _two_ranks()
+    timeline.save(tmp_path / "t.json")
+    assert Timeline.load(tmp_path / "t.json") == timeline
+
+
+def test_recorder_moves_compute_past_its_waits_and_gives_bytes_to_their_action() -> None:
+    recorder = Recorder(rank=1, keep=2)
+    for step in range(3):
+        recorder.begin_step(step)
+        recorder.sent(40)
+        recorder.add("1SF0>2", 10.0, 10.5)
+        recorder.wait("1RB0<2", 10.5, 12.0, bytes=8)
+        recorder.add("1B0", 10.5, 13.0, memory=7)
+        recorder.end_step()
+    assert [index for index, _ in recorder.steps] == [1, 2]  # keeps the last two
+    send, wait, backward = recorder.steps[-1][1]
+    assert (send.bytes, wait.action, wait.bytes) == (40, "wait 1RB0<2", 8)
+    assert (backward.start, backward.end, backward.memory) == (12.0, 13.0, 7)
+    part = recorder.timeline(num_ranks=3)
+    assert part.num_ranks == 3 and part.events[0].start == pytest.approx(
+        10.0 + recorder.clock_offset)
+    with pytest.raises(RuntimeError, match="no step recorded"):
+        Recorder(0).timeline(1)
+
+
+def _write_run(directory: Path, ranks: dict[int, dict[int, list[list[object]]]],
+               num_ranks: int = 2) -> None:
+    for rank, steps in ranks.items():
+        lines = [json.dumps({"rank": rank, "host": "h", "clock_offset": 0.0,
+                             "meta": {"ranks": num_ranks, "schedule": "1f1b"}})]
+        lines += [json.dumps({"step": s, "events": e}) for s, e in steps.items()]
+        (directory / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_load_run_merges_the_ranks_of_one_step_from_the_earliest_event(tmp_path: Path) -> None:
+    _write_run(tmp_path, {0: {0: [["0F0", 100.0, 101.0, 0, 5]], 1: [["0F0", 200.0, 201.0, 0, 5]]},
+                          1: {0: [["1F0", 100.5, 102.0, 0, 3]], 1: [["1F0", 199.5, 202.0, 0, 3]]}})
+    last = load_run(tmp_path)
+    assert last.meta["step"] == 1 and last.meta["schedule"] == "1f1b"
+    assert [(e.rank, e.action, e.start, e.end) for e in last.events] == [
+        (0, "0F0", 0.5, 1.5), (1, "1F0", 0.0, 2.5)]
+    assert load_run(tmp_path, step=0).step_time == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"recorded steps: 0\.\.1"):
+        load_run(tmp_path, step=5)
+
+
+def test_load_run_names_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="conveyor run --trace DIR"):
+        load_run(tmp_path)
+    _write_run(tmp_path, {0: {0: [["0F0", 0.0, 1.0, 0, 0]]}})
+    with pytest.raises(ValueError, match="the run had 2 ranks"):
+        load_run(tmp_path)
+
+
+def test_chrome_trace_has_one_track_per_rank_and_timeline(tmp_path: Path) -> None:
+    measured = _two_ranks()
+    predicted = Timeline(2, [Event(0, "0F0", 0.0, 2.0), Event(1, "1F0", 2.0, 3.0)], "simulated")
+    trace = chrome_trace(measured)
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(measured.events)
+    backward = next(e for e in spans if e["name"] == "0B0")
+    assert (backward["ts"], backward["dur"], backward["pid"], backward["cat"]) == (
+        3e6, 2e6, 0, "backward")
+    both = json.loads(write_chrome(tmp_path / "both.json", measured, predicted).read_text())
+    names = {e["pid"]: e["args"]["name"] for e in both["traceEvents"]
+             if e["name"] == "process_name"}
+    assert names == {0: "measured rank 0", 1: "measured rank 1", 2: "simulated rank 0",
+                     3: "simulated rank 1"}
+
+
+def test_png_gantt_chart_is_written(tmp_path: Path) -> None:
+    path = write_png(tmp_path / "t.png", _two_ranks(), _two_ranks().shifted(-1.0),
+                     title="side by side")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    with pytest.raises(ValueError, match="at least one timeline"):
+        write_png(tmp_path / "none.png")
+
+
+def test_render_grid_draws_whole_units() -> None:
+    timeline = Timeline(2, [Event(0, "0F0", 0, 1), Event(0, "0B0", 2, 4), Event(1, "1F0", 1, 2),
+                            Event(1, "wait 1RB0<1", 0, 1)])
+    assert render_grid(timeline).splitlines() == ["rank 0 | 0F0  .  0B0 0B0",
+                                                   "rank 1 |  .  1F0  .   . "]
+
+
+# -- recorded runs on two ranks ----------------------------------------------------------------
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)),
+                         nn.Linear(8, 4)).double()
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def _recorded_worker(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(1)
+    inputs = torch.randn(8, 8, dtype=torch.float64)
+    targets = torch.randn(8, 4, dtype=torch.float64)
+    for name in sorted(SCHEDULES):
+        wanted = layout_of(name)
+        num_stages = wanted.virtual_stages * world_size
+        placement = tuple(place(num_stages, world_size, wanted.placement))
+        balance = (5,) if num_stages == 1 else {2: (3, 2), 4: (2, 1, 1, 1)}[num_stages]
+        common = {"loss_fn": _loss, "schedule": name, "placement": placement,
+                  "balance": balance, "num_microbatches": 4}
+        plain = Pipeline(_model(), **common)
+        traced = Pipeline(_model(), trace_dir=str(Path(root, name)), **common)
+        with pytest.raises(RuntimeError, match="trace=True"):
+            plain.timeline()
+        for _ in range(2):
+            loss, traced_loss = plain.step(inputs, targets), traced.step(inputs, targets)
+            if loss is not None:
+                assert traced_loss is not None
+                torch.testing.assert_close(traced_loss, loss, rtol=0, atol=0)
+        timeline = traced.timeline()
+        for r in range(world_size):
+            events = timeline.on(r)
+            recorded = [e.action for e in events if not e.action.startswith("wait")]
+            assert recorded == [str(a) for a in traced.program[r]], (name, r)
+            assert all(e.end >= e.start for e in events)
+            for e in events:
+                if e.kind == "send" and "SF" in e.action:  # activations and the RNG state
+                    assert e.bytes == 2 * 8 * 8 + torch.get_rng_state().numel(), e
+                elif e.kind == "send":  # 2 samples x 8 float64 gradients
+                    assert e.bytes == 2 * 8 * 8, e
+        assert timeline.peak_memory(rank) == traced.memory().peak_bytes
+        if rank == 0:
+            Path(root, f"{name}.json").write_text(json.dumps(timeline.to_dict()))
+
+
+@pytest.mark.dist
+def test_recorded_runs_match_their_programs_and_their_files(tmp_path: Path) -> None:
+    run_ranks(_recorded_worker, tmp_path, timeout_s=240, root=str(tmp_path))
+    for name in sorted(SCHEDULES):
+        gathered = Timeline.from_dict(json.loads((tmp_path / f"{name}.json").read_text()))
+        from_files = load_run(tmp_path / name)
+        assert from_files.meta["step"] == 1 and from_files.meta["schedule"] == name
+        assert [(e.rank, e.action) for e in from_files.events] == [
+            (e.rank, e.action) for e in gathered.events]
+        for a, b in zip(from_files.events, gathered.events, strict=True):
+            assert a.duration == pytest.approx(b.duration, abs=1e-9)
+            assert a.start == pytest.approx(b.start, abs=1e-9)
