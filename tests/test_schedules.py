@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.cli import main
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain, place
 from conveyor.memory import alive_peak
 from conveyor.schedule import (
@@ -256,3 +257,28 @@ def test_custom_schedule_from_a_file(tmp_path: Path) -> None:
 def test_custom_text_is_validated_before_it_runs(text: str, message: str) -> None:
     with pytest.raises((ProgramError, ValueError), match=message):
         from_text(text, chain(2))
+
+
+# -- conveyor simulate -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--schedule", "zb-v", "--stages", "2", "--microbatches", "4"],
+     "ranks=2 stages=4 microbatches=4 step=25"),
+    (["--schedule", "interleaved-1f1b", "--stages", "2", "--virtual-stages", "3"],
+     "ranks=2 stages=6 microbatches=8 step=75"),
+    (["--schedule", "zb-h1", "--stages", "3", "--microbatches", "4"],
+     "step=14 units (per stage F=1, B=2 or I=1 + W=1) bubble=14.3% peak activations=[3, 3, 3]"),
+    (["--schedule", "gpipe", "--stages", "2", "--virtual-stages", "2", "--placement", "v",
+      "--microbatches", "2"], "peak activations=[4, 4]"),
+])
+def test_simulate_runs_every_schedule(argv: list[str], expected: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *argv]) == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_simulate_names_the_layout_problem(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--schedule", "zb-v", "--stages", "2", "--placement", "loop"])
+    assert "placed in a V" in capsys.readouterr().err

@@ -24,8 +24,9 @@ from typing import Any
 
 from conveyor.config import PipelineConfig
 from conveyor.demo import DemoConfig, worker_args
-from conveyor.graph import chain
-from conveyor.schedule import SCHEDULES, build_program
+from conveyor.graph import PLACEMENT_STYLES, chain, place
+from conveyor.memory import alive_peak
+from conveyor.schedule import SCHEDULES, build_program, layout_of
 from conveyor.simulate import execute
 from conveyor.trace import render_grid
 
@@ -74,7 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                                    "rank x time grid, without starting processes")
     simulate.add_argument("--schedule", default="1f1b",
                           help=f"one of {sorted(SCHEDULES)}, or a schedule file")
-    simulate.add_argument("--stages", type=int, default=4)
+    simulate.add_argument("--stages", type=int, default=4,
+                          help="pipeline ranks, each holding --virtual-stages stages")
+    simulate.add_argument("--virtual-stages", type=int, default=None,
+                          help="stages per rank (default: the schedule's: 2 for "
+                          "interleaved-1f1b and zb-v, else 1)")
+    simulate.add_argument("--placement", choices=PLACEMENT_STYLES, default=None,
+                          help="how stages share ranks: loop or v (default: the schedule's)")
     simulate.add_argument("--microbatches", type=int, default=8)
     simulate.add_argument("--actions", action="store_true",
                           help="also print every rank's actions, sends and receives included")
@@ -98,12 +105,22 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    graph = chain(args.stages)
+    layout = layout_of(args.schedule)
+    per_rank = args.virtual_stages or layout.virtual_stages
+    if args.stages < 1 or per_rank < 1:
+        raise ValueError(f"--stages and --virtual-stages must be >= 1, got {args.stages} and "
+                         f"{per_rank}")
+    num_stages = args.stages * per_rank
+    graph = chain(num_stages, placement=place(num_stages, args.stages,
+                                              args.placement or layout.placement))
     program = build_program(args.schedule, graph, args.microbatches)
     timeline = execute(program, graph)
     print(render_grid(timeline))
-    print(f"schedule={args.schedule} stages={args.stages} microbatches={args.microbatches} "
-          f"step={timeline.step_time:g} units (F=1, B=2) bubble={timeline.bubble_fraction:.1%}")
+    print(f"schedule={args.schedule} ranks={args.stages} stages={num_stages} "
+          f"microbatches={args.microbatches} step={timeline.step_time:g} units "
+          f"(per stage F=1, B=2 or I=1 + W=1) bubble={timeline.bubble_fraction:.1%} "
+          f"peak activations={[alive_peak(actions) for actions in program]} "
+          "(stage, micro-batch) sets per rank")
     if args.actions:
         print("\n".join(f"rank {r}: {' '.join(map(str, a))}" for r, a in enumerate(program)))
     return 0

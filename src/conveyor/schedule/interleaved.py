@@ -12,13 +12,13 @@ __all__ = ["interleaved_1f1b", "loop_chunks", "require_chain", "rounds"]
 logger = logging.getLogger(__name__)
 
 
-# Interleaved 1F1B, 2 ranks x 2 chunks (stage s on rank s % 2), 4 micro-batches, F=1 B=2.
+# Interleaved 1F1B, 2 ranks x 2 chunks (stage s on rank s % 2), 4 micro-batches, F=1 B=2 per
+# chunk (`conveyor simulate --schedule interleaved-1f1b --stages 2 --microbatches 4`).
 # Micro-batches pass the chunks in rounds of p: rank 0 runs chunk 0 (stage 0) for micro-batches
-# 0 and 1, then chunk 1 (stage 2) for the same two, then the next round. Backwards go through
-# the chunks in reverse. Smaller stages make the bubble v times smaller than 1F1B's.
-# time:    0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17  18  19  20
-# rank 0: 0F0 0F1 2F0 2F1 0F2 0F3 2B0 2B0 2F2 2B1 2B1 0B0 0B0 2F3 ...
-# rank 1:     1F0 1F1 3F0 3B0 3B0 3F1 3B1 3B1 1B0 ...
+# 0 and 1, then chunk 1 (stage 2) for the same two, then the next round; backwards go through
+# the chunks in reverse. The bubble is 1F1B's divided by v, for some more activation memory.
+# rank 0 | 0F0 0F1 2F0 2F1 0F2  .  2B0 2B0 0F3 2B1 2B1 2F2 0B0 0B0 2F3 0B1 0B1  .  2B2 2B2 ...
+# rank 1 |  .  1F0 1F1 3F0 3B0 3B0 3F1 3B1 3B1 1F2 1B0 1B0 1F3 1B1 1B1 3F2 3B2 3B2 3F3 3B3 ...
 #
 # See Note [interleaved remainder]
 # Megatron-LM needs m to be a multiple of p. Here the m micro-batches form max(1, m // p)

@@ -15,12 +15,12 @@ logger = logging.getLogger(__name__)
 
 # ZB-H1, 3 stages, 4 micro-batches, F = I = W = 1 unit: 1F1B with each B split into I (input
 # gradient, on the critical path) and W (weight gradient, off it). Stage r holds back r W's and
-# runs them where 1F1B would idle at the end, so the bubble shrinks from (p-1)(F+B) to about
-# (p-1)(F+I-W) while no rank keeps more than p micro-batches alive, as in 1F1B.
-# time:    0  1  2  3  4  5  6  7  8  9 10 11 12 13 14
-# rank 0: 0F0 0F1 0F2  .   . 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3  .
-# rank 1:  . 1F0 1F1  . 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3  .
-# rank 2:  .  . 2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3
+# runs them where 1F1B would idle at the end, so the bubble shrinks from (p-1)(F+B) to
+# (p-1)(F+I-W) while no rank keeps more than p micro-batches alive, 1F1B's peak.
+# (`conveyor simulate --schedule zb-h1 --stages 3 --microbatches 4`)
+# rank 0 | 0F0 0F1 0F2  .   .  0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
+# rank 1 |  .  1F0 1F1  .  1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3
+# rank 2 |  .   .  2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3
 def zb_h1(graph: StageGraph, num_microbatches: int) -> Program:
     """ZB-H1: 1F1B's order and memory, with each rank's weight gradients deferred into its
     bubble. One stage per rank; on a DAG, as 1F1B, a stage's warm-up is its distance to the
@@ -50,12 +50,13 @@ def zb_h1(graph: StageGraph, num_microbatches: int) -> Program:
 
 
 # ZB-V, 2 ranks, 4 stages in a V (rank 0: stages 0 and 3, rank 1: stages 1 and 2), 4
-# micro-batches, F = I = W = 1 unit. Each micro-batch goes down the ranks through the first
-# chunk and back up through the second, so the last stage sits on rank 0 next to the first:
-# the loss's input gradient turns around without crossing ranks, and the warm-up of one chunk
-# overlaps the cool-down of the other.
-# time:    0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25
-# (drawn by `conveyor simulate --schedule zb-v --stages 2 --microbatches 4`)
+# micro-batches, F = I = W = 1 unit per chunk. Each micro-batch goes down the ranks through the
+# first chunk and back up through the second, so the last stage sits on rank 0 next to the
+# first: the loss's gradient turns around without crossing ranks, and the warm-up of one chunk
+# overlaps the cool-down of the other (`conveyor simulate --schedule zb-v --stages 2
+# --microbatches 4`):
+# rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 ...
+# rank 1 |  .  1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 ...
 def zb_v(graph: StageGraph, num_microbatches: int) -> Program:
     """ZB-V: two chunks per rank in a V (rank r holds stages r and 2p-1-r), F, I and W of each
     micro-batch in a steady rhythm; the bubble nearly vanishes when F, I and W cost the same,
