@@ -1,0 +1,606 @@
+"""Plan a pipeline: profile the model once, then search split x schedule x micro-batches x
+activation checkpointing with the simulator, and write the winner as a plan file.
+
+    report = plan(example("gpt"), num_ranks=2, memory_budget=2**30, batch_size=32)
+    print(report.table())                  # the top plans, predicted
+    report.write("plan.json")              # Pipeline(model, plan="plan.json"), conveyor run --plan
+
+Splits come from a dynamic program over the model's units (layers, or graph nodes) that
+minimizes the slowest stage (balance by time), the largest stage memory (by memory) or the
+larger of the two relative to an even share (both), subject to the memory budget; each stage
+then gets the cheapest checkpointing that fits. Every candidate is simulated
+(``conveyor.simulate``) and a plan whose predicted memory exceeds the budget is never
+recommended.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from torch import nn
+
+from conveyor.graph import StageGraph, place
+from conveyor.profile import Profile, UnitStats, Workload, profile_model, trace_units
+from conveyor.schedule import SCHEDULES, Kind, Program, layout_of
+from conveyor.simulate import CheckpointMode, DeadlockError, ProfileCost, layout, predict
+
+__all__ = [
+    "EXAMPLES", "Objective", "Plan", "PlanReport", "example", "load_workload", "plan",
+    "scaled", "schedule_layout", "stage_graph_for",
+]
+
+logger = logging.getLogger(__name__)
+
+Objective = Literal["time", "memory", "both", "even"]
+_MODES: tuple[CheckpointMode, ...] = ("never", "except_last", "always")
+
+
+# -- workloads -------------------------------------------------------------------------------
+
+
+def _gpt() -> Workload:
+    from conveyor.models import gpt, gpt_loss, text_batches
+
+    return Workload("gpt", gpt(seq_len=64, dim=64, num_layers=4),
+                    lambda n: text_batches(n, 64, 1)[0], gpt_loss)
+
+
+def _unbalanced() -> Workload:
+    from conveyor.models.unbalanced import mse, regression_batch, unbalanced_mlp
+
+    return Workload("unbalanced", unbalanced_mlp(), regression_batch, mse)
+
+
+EXAMPLES: dict[str, Callable[[], Workload]] = {"gpt": _gpt, "unbalanced": _unbalanced}
+"""Models the planner and benchmarks know by name: name -> factory of a Workload."""
+
+
+def example(name: str) -> Workload:
+    """The Workload of a named example (see ``EXAMPLES``)."""
+    if name not in EXAMPLES:
+        raise ValueError(f"unknown example {name!r}; expected one of {sorted(EXAMPLES)} or an "
+                         "importable factory 'package.module:function'")
+    return EXAMPLES[name]()
+
+
+def load_workload(spec: str) -> Workload:
+    """An example name, or ``package.module:function`` returning a Workload (or a tuple
+    ``(model, batch_fn, loss_fn)`` where ``batch_fn(batch_size) -> (inputs, targets)``)."""
+    if ":" not in spec:
+        return example(spec)
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot import {spec!r} ({error}); expected 'package.module:function' "
+                         "naming a function that returns a Workload") from error
+    made = factory()
+    if isinstance(made, Workload):
+        return made
+    if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module):
+        return Workload(spec, made[0], made[1], made[2])
+    raise TypeError(f"{spec} returned {type(made).__name__}; expected a conveyor.profile."
+                    "Workload or a tuple (model, batch_fn, loss_fn)")
+
+
+# -- layouts ---------------------------------------------------------------------------------
+
+
+def schedule_layout(schedule: str, num_ranks: int) -> tuple[int, list[int]]:
+    """(number of stages, rank of each stage) that ``schedule`` wants on ``num_ranks`` ranks."""
+    wanted = layout_of(schedule)
+    num_stages = wanted.virtual_stages * num_ranks
+    return num_stages, place(num_stages, num_ranks, wanted.placement)
+
+
+def _inflight(program: Program, num_stages: int) -> list[int]:
+    """Most micro-batches each stage keeps alive at once (from F until B, or until W)."""
+    alive = [0] * num_stages
+    peak = [0] * num_stages
+    for actions in program:
+        for action in actions:
+            if action.kind is Kind.F:
+                alive[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], alive[action.stage])
+            elif action.kind in (Kind.B, Kind.W):
+                alive[action.stage] -= 1
+    return peak
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration and its prediction."""
+
+    schedule: str
+    num_microbatches: int
+    stage_units: tuple[tuple[int, ...], ...]
+    """Unit indices of each stage (see ``conveyor.profile``)."""
+    placement: tuple[int, ...]
+    checkpoint: tuple[CheckpointMode, ...]
+    """Activation checkpointing of each stage."""
+    balanced_by: Objective
+    step_time: float
+    bubble_fraction: float
+    peak_activation: tuple[int, ...]
+    total_memory: tuple[int, ...]
+    """Per rank: parameters, gradients, optimizer state and peak activations."""
+    fits: bool
+    batch_size: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batch_size / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        return tuple(len(units) for units in self.stage_units)
+
+
+@dataclass
+class PlanReport:
+    """The plans the search simulated, fastest first (plans that fit before those that don't)."""
+
+    plans: list[Plan]
+    profile: Profile
+    num_ranks: int
+    memory_budget: int
+    batch_size: int
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+    """Schedules or settings the search skipped, and why."""
+    sequential_children: list[str] | None = None
+    """Names of the model's layers when the units are exactly an nn.Sequential's children."""
+
+    @property
+    def best(self) -> Plan:
+        """The fastest plan that fits the budget."""
+        fitting = [p for p in self.plans if p.fits]
+        if not fitting:
+            raise ValueError(self._nothing_fits())
+        return fitting[0]
+
+    def _nothing_fits(self) -> str:
+        smallest = min(self.plans, key=lambda p: max(p.total_memory))
+        return (f"no plan fits in {_gib(self.memory_budget)} per rank; the smallest memory any "
+                f"plan needs is {_gib(max(smallest.total_memory))} per rank "
+                f"({smallest.schedule}, {smallest.num_microbatches} micro-batches, "
+                f"checkpointing {_modes(smallest.checkpoint)}); raise the budget, add ranks or "
+                "use a smaller batch")
+
+    def pipeline_config(self, chosen: Plan | None = None) -> dict[str, Any]:
+        """PipelineConfig fields that run ``chosen`` (default: the best plan)."""
+        chosen = chosen or self.best
+        fields: dict[str, Any] = {"schedule": chosen.schedule,
+                                  "num_microbatches": chosen.num_microbatches}
+        if self.sequential_children is not None:
+            fields["balance"] = list(chosen.balance)
+        else:
+            fields["split_points"] = [self.profile.units[units[0]].target
+                                      for units in chosen.stage_units[1:]]
+        if list(chosen.placement) != list(range(len(chosen.placement))):
+            fields["placement"] = list(chosen.placement)
+        if any(mode != "never" for mode in chosen.checkpoint):
+            fields["stage_checkpoint"] = list(chosen.checkpoint)
+        return fields
+
+    def write(self, path: str | os.PathLike[str], chosen: Plan | None = None) -> Path:
+        """Write a plan file that ``Pipeline(model, plan=path)`` and ``conveyor run --plan``
+        accept: the PipelineConfig fields under ``pipeline``, the prediction beside them."""
+        chosen = chosen or self.best
+        data = {
+            "pipeline": self.pipeline_config(chosen),
+            "model": self.profile.model, "ranks": self.num_ranks,
+            "batch_size": self.batch_size, "memory_budget": self.memory_budget,
+            "prediction": {
+                "step_time_s": chosen.step_time, "samples_per_s": chosen.samples_per_s,
+                "bubble_fraction": chosen.bubble_fraction,
+                "peak_activation_bytes": list(chosen.peak_activation),
+                "total_memory_bytes": list(chosen.total_memory),
+                "stage_units": [[self.profile.units[u].name for u in units]
+                                for units in chosen.stage_units]},
+        }
+        target = Path(path)
+        target.write_text(json.dumps(data, indent=1) + "\n")
+        return target
+
+    def table(self, top: int = 10) -> str:
+        """The top plans as a text table."""
+        rows = [f"{'#':>2}  {'schedule':<17}{'mb':>4}  {'split':<16}{'checkpoint':<14}"
+                f"{'step ms':>9}{'samples/s':>11}{'bubble':>8}  {'memory/rank (max)':>17}  fits"]
+        for index, p in enumerate(self.plans[:top], start=1):
+            split = ",".join(map(str, p.balance))
+            rows.append(
+                f"{index:>2}  {p.schedule:<17}{p.num_microbatches:>4}  {_short(split, 15):<16}"
+                f"{_short(_modes(p.checkpoint), 13):<14}{p.step_time * 1e3:>9.2f}"
+                f"{p.samples_per_s:>11.1f}{p.bubble_fraction:>8.1%}  "
+                f"{_gib(max(p.total_memory)):>17}  {'yes' if p.fits else 'NO'}")
+        return "\n".join(rows)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def _modes(modes: Sequence[str]) -> str:
+    if len(set(modes)) == 1:
+        return modes[0]
+    letters = {"never": "N", "except_last": "E", "always": "A"}
+    return "".join(letters[m] for m in modes)
+
+
+def _gib(value: float) -> str:
+    if value >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value / 2**20:.1f} MiB"
+
+
+# -- search ----------------------------------------------------------------------------------
+
+
+def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_size: int, *,
+         profile: Profile | None = None, schedules: Sequence[str] | None = None,
+         microbatches: Sequence[int] | None = None,
+         objectives: Sequence[Objective] = ("time", "memory", "both", "even"),
+         checkpointing: bool = True) -> PlanReport:
+    """Search splits, schedules, micro-batch counts and checkpointing; simulate each candidate.
+
+    Args:
+        workload: the model, its batches and loss; profiled here unless ``profile`` is given
+            (then only used to name layers and may be None).
+        memory_budget: bytes per rank for parameters, gradients, optimizer state and
+            activations.
+        schedules: names from ``SCHEDULES`` (default: every one).
+        microbatches: micro-batch counts to try (default: the divisors of ``batch_size`` up
+            to 8 x the stages).
+        checkpointing: also consider activation checkpointing per stage.
+
+    Raises:
+        ValueError: a bad rank count or batch size, a profile that does not match the
+            workload's model, or no configuration the search could place.
+    """
+    start = time.perf_counter()
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if batch_size < 1 or memory_budget <= 0:
+        raise ValueError(f"batch_size and memory_budget must be positive, got {batch_size} "
+                         f"and {memory_budget}")
+    names = list(SCHEDULES) if schedules is None else list(schedules)
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedules {unknown}; expected names from {sorted(SCHEDULES)}")
+    counts = list(microbatches) if microbatches is not None else _divisors(
+        batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
+    if any(m < 1 or m > batch_size for m in counts):
+        raise ValueError(f"micro-batch counts {counts} must lie in 1..{batch_size} (the batch)")
+    profile, children = _profile_for(workload, profile, num_ranks, batch_size, counts,
+                                     max(layout_of(n).virtual_stages for n in names))
+    search = _Search(profile, num_ranks, memory_budget, batch_size, checkpointing)
+    plans: list[Plan] = []
+    notes: list[str] = []
+    for name in names:
+        for m in counts:
+            try:
+                plans += search.candidates(name, m, objectives)
+            except (ValueError, DeadlockError) as error:
+                note = f"{name} with {m} micro-batches: {error}"
+                notes.append(note.splitlines()[0])
+    if not plans:
+        raise ValueError(f"no configuration could be placed on {num_ranks} ranks: " +
+                         "; ".join(notes[:4]))
+    plans = _dedupe(plans)
+    plans.sort(key=lambda p: (not p.fits, p.step_time, max(p.total_memory)))
+    report = PlanReport(plans, profile, num_ranks, memory_budget, batch_size,
+                        time.perf_counter() - start, _unique(notes), children)
+    logger.info("planned %s for %d ranks: %d plans simulated in %.1f s", profile.model,
+                num_ranks, len(plans), report.elapsed_s)
+    return report
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _dedupe(plans: list[Plan]) -> list[Plan]:
+    seen: dict[tuple[Any, ...], Plan] = {}
+    for p in plans:
+        key = (p.schedule, p.num_microbatches, p.stage_units, p.checkpoint)
+        seen.setdefault(key, p)
+    return list(seen.values())
+
+
+def _profile_for(workload: Workload | None, profile: Profile | None, num_ranks: int,
+                 batch_size: int, counts: Sequence[int],
+                 max_virtual: int) -> tuple[Profile, list[str] | None]:
+    """The profile to plan with (measured now if not given), at a depth with enough units."""
+    if workload is None and profile is None:
+        raise ValueError("plan needs a workload to profile or a profile")
+    sizes = sorted({max(1, round(batch_size / m)) for m in counts})
+    if profile is None:
+        assert workload is not None
+        depth = _depth_for(workload.model, num_ranks * max_virtual)
+        profile = profile_model(workload, sizes, depth=depth)
+    elif workload is not None:
+        profile.check(trace_units(workload.model, profile.depth)[2])
+    cut_points = sum(1 for u in profile.units if u.target)
+    if cut_points < num_ranks:
+        raise ValueError(f"{profile.model} has {cut_points} layers to cut at, too few for "
+                         f"{num_ranks} ranks (every rank needs a stage of at least one layer); "
+                         f"plan for at most {cut_points} ranks")
+    children = None
+    if workload is not None and isinstance(workload.model, nn.Sequential):
+        names = [name for name, _ in workload.model.named_children()]
+        if [u.target for u in profile.units] == names:
+            children = names
+    return profile, children
+
+
+def _depth_for(model: nn.Module, num_stages: int, max_depth: int = 3) -> int:
+    """The shallowest unit depth with a layer to cut at for each of ``num_stages`` stages;
+    deeper only when the layers can be traced into (else the deepest that traces)."""
+    chosen = 1
+    for depth in range(1, max_depth + 1):
+        try:
+            units = trace_units(model, depth)[2]
+        except TypeError:
+            if depth == 1:
+                raise
+            break
+        chosen = depth
+        if sum(1 for u in units if u.target) >= num_stages:
+            break
+    return chosen
+
+
+class _Search:
+    """Candidates for one (schedule, micro-batch count): DP splits, checkpointing, simulation."""
+
+    def __init__(self, profile: Profile, num_ranks: int, memory_budget: int, batch_size: int,
+                 checkpointing: bool) -> None:
+        self.profile = profile
+        self.num_ranks = num_ranks
+        self.budget = memory_budget
+        self.batch_size = batch_size
+        self.modes: tuple[CheckpointMode, ...] = _MODES if checkpointing else ("never",)
+        self.num_units = profile.num_units
+        self.can_start = np.array([a == 0 or bool(profile.units[a].target)
+                                   for a in range(self.num_units)] + [False])
+
+    def candidates(self, schedule: str, m: int, objectives: Sequence[Objective]) -> list[Plan]:
+        num_stages, placement = schedule_layout(schedule, self.num_ranks)
+        if num_stages > int(self.can_start.sum()):
+            raise ValueError(f"needs {num_stages} stages but the model has only "
+                             f"{int(self.can_start.sum())} layers to cut at")
+        from conveyor.graph import chain
+
+        shape = chain(num_stages, placement=placement)
+        program = SCHEDULES[schedule](shape, m)  # raises ValueError if it cannot run here
+        inflight = _inflight(program, num_stages)
+        costs = _StageCosts(self.profile, self.batch_size / m, m, self.batch_size)
+        per_rank = num_stages // self.num_ranks
+        plans = []
+        splits: dict[tuple[tuple[int, ...], ...], Objective] = {}
+        for objective in objectives:
+            cuts = self._split(costs, objective, inflight, num_stages, per_rank)
+            if cuts is not None:
+                splits.setdefault(cuts, objective)
+        if self.modes != ("never",):  # the least memory: balanced by memory, all recomputed
+            cuts = self._split(costs, "memory", inflight, num_stages, per_rank, "always")
+            if cuts is not None:
+                splits.setdefault(cuts, "memory")
+        for cuts, objective in splits.items():
+            for modes in self._checkpointing(costs, cuts, inflight, per_rank):
+                plans.append(self._simulate(schedule, m, cuts, placement, modes, objective))
+        return plans
+
+    def _split(self, costs: _StageCosts, objective: Objective, inflight: list[int],
+               num_stages: int, per_rank: int, only: CheckpointMode | None = None
+               ) -> tuple[tuple[int, ...], ...] | None:
+        """Stage boundaries from the DP (or an even split), as unit index tuples."""
+        if objective == "even":
+            starts = _even_starts(self.can_start, num_stages)
+        else:
+            starts = _bottleneck_split(
+                lambda j: self._stage_cost(costs, objective, inflight[j], per_rank, only),
+                self.can_start, num_stages, [inflight[j] for j in range(num_stages)])
+        if starts is None:
+            return None
+        bounds = [*starts, self.num_units]
+        return tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
+
+    def _stage_cost(self, costs: _StageCosts, objective: Objective, inflight: int,
+                    per_rank: int, only: CheckpointMode | None) -> np.ndarray:
+        """Matrix of one stage's cost for every (first unit, end unit) pair."""
+        budget = self.budget / per_rank
+        modes = (only,) if only else self.modes
+        if objective == "time":
+            best = np.full(costs.shape, np.inf)
+            for mode in modes:
+                fits = costs.memory(mode, inflight) <= budget
+                best = np.where(fits, np.minimum(best, costs.time(mode)), best)
+            return best
+        memory = costs.memory(only or "never", inflight)
+        if objective == "memory":
+            return memory
+        time_share = costs.time("never") / costs.total_time
+        memory_share = memory / max(costs.total_memory, 1.0)
+        return np.maximum(time_share, memory_share)
+
+    def _checkpointing(self, costs: _StageCosts, cuts: tuple[tuple[int, ...], ...],
+                       inflight: list[int], per_rank: int) -> list[tuple[CheckpointMode, ...]]:
+        """Per stage, the fastest mode that fits its share of the budget; and all-always."""
+        budget = self.budget / per_rank
+        chosen: list[CheckpointMode] = []
+        for j, units in enumerate(cuts):
+            a, b = units[0], units[-1] + 1
+            fitting = [mode for mode in self.modes
+                       if costs.memory(mode, inflight[j])[a, b] <= budget]
+            chosen.append(fitting[0] if fitting else self.modes[-1])
+        options = [tuple(chosen)]
+        if "always" in self.modes:
+            options.append(tuple("always" for _ in cuts))
+        return list(dict.fromkeys(options))
+
+    def _simulate(self, schedule: str, m: int, cuts: tuple[tuple[int, ...], ...],
+                  placement: list[int], modes: tuple[CheckpointMode, ...],
+                  objective: Objective) -> Plan:
+        graph, units = layout(self.profile, [list(c) for c in cuts], placement)
+        program = SCHEDULES[schedule](graph, m)
+        cost = ProfileCost(self.profile, graph, units, self.batch_size / m, m, list(modes))
+        prediction = predict(program, graph, cost, record=False)
+        fits = all(total <= self.budget for total in prediction.total_memory)
+        return Plan(schedule, m, cuts, tuple(placement), modes, objective,
+                    prediction.step_time, prediction.bubble_fraction,
+                    prediction.peak_activation, prediction.total_memory, fits, self.batch_size)
+
+
+def _even_starts(can_start: np.ndarray, num_stages: int) -> list[int] | None:
+    """Stage starts of an even split by unit count, moved to the nearest allowed cut."""
+    allowed = [a for a in range(len(can_start)) if can_start[a]]
+    if len(allowed) < num_stages:
+        return None
+    picks = [allowed[round(i * len(allowed) / num_stages)] for i in range(num_stages)]
+    return picks if len(set(picks)) == num_stages else None
+
+
+# See Note [bottleneck split]
+# best[j][b]: the smallest possible worst-stage cost when stages 0..j-1 cover units [0, b);
+# best[j][b] = min over a of max(best[j-1][a], cost_j(a, b)) with stage j-1 = units [a, b).
+# Every stage cost is looked at, so the result is optimal for the cost (not greedy); numpy
+# takes the min over all a for all b at once: O(stages x units^2) in vector steps.
+def _bottleneck_split(stage_cost: Callable[[int], np.ndarray], can_start: np.ndarray,
+                      num_stages: int, keys: Sequence[int]) -> list[int] | None:
+    """Starts of each stage minimizing the largest stage cost; None if every split is inf."""
+    n = len(can_start) - 1
+    cache: dict[int, np.ndarray] = {}
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((num_stages, n + 1), dtype=np.int64)
+    starts_ok = np.where(can_start, 0.0, np.inf)
+    for j in range(num_stages):
+        if keys[j] not in cache:
+            cache[keys[j]] = stage_cost(j)
+        cost = cache[keys[j]]  # cost[a, b] for stage = units [a, b)
+        candidates = np.maximum((best + starts_ok)[:, None], cost)
+        choice[j] = np.argmin(candidates, axis=0)
+        best = candidates[choice[j], np.arange(n + 1)]
+    if not math.isfinite(best[n]):
+        return None
+    starts, end = [], n
+    for j in reversed(range(num_stages)):
+        a = int(choice[j][end])
+        starts.append(a)
+        end = a
+    starts.reverse()
+    if starts[0] != 0 or any(a >= b for a, b in zip(starts, [*starts[1:], n], strict=True)):
+        return None
+    return starts
+
+
+class _StageCosts:
+    """Per-micro-batch time and memory of every contiguous run of units [a, b) as matrices,
+    from prefix sums of the profile (an estimate for the DP; plans are then simulated)."""
+
+    def __init__(self, profile: Profile, microbatch_size: float, num_microbatches: int,
+                 batch_size: int) -> None:
+        stats: tuple[UnitStats, ...] = profile.at(microbatch_size)
+        n = profile.num_units
+        self.shape = (n + 1, n + 1)
+        self.m = num_microbatches
+        overheads = profile.overheads
+        loss_forward, loss_backward = profile.loss_at(microbatch_size)
+
+        def prefix(values: Sequence[float]) -> np.ndarray:
+            return np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+
+        forward = prefix([s.forward for s in stats])
+        backward = prefix([s.backward for s in stats])
+        a = np.arange(n + 1)[:, None]
+        b = np.arange(n + 1)[None, :]
+        valid = b > a
+        last = (b == n) & valid
+        comm = 2 * (overheads.send + overheads.recv + overheads.wait)
+        self._forward = np.where(valid, forward[b] - forward[a], 0.0)  # inf: in _work
+        self._work = np.where(valid, (forward[b] - forward[a]) + (backward[b] - backward[a]) +
+                              overheads.forward + overheads.backward + comm +
+                              np.where(last, loss_forward + loss_backward, 0.0), np.inf)
+        consumers: list[int] = [-1] * n  # last consumer of each unit
+        for u, unit in enumerate(profile.units):
+            for p in unit.inputs:
+                if p >= 0:
+                    consumers[p] = max(consumers[p], u)
+        crossing_msg = np.zeros(n + 1)
+        crossing_out = np.zeros(n + 1)
+        for u, last_user in enumerate(consumers):
+            if last_user > u:  # the value crosses every cut in (u, last_user]
+                crossing_msg[u + 1:last_user + 1] += stats[u].message_bytes
+                crossing_out[u + 1:last_user + 1] += stats[u].output_bytes
+        kept = [s.saved_bytes + (s.output_bytes if s.saves_output or any(
+            stats[c].saves_input[i] for c in range(n) for i, p in
+            enumerate(profile.units[c].inputs) if p == u and i < len(stats[c].saves_input))
+            else 0) for u, s in enumerate(stats)]
+        inner = prefix(kept)
+        outputs = np.asarray([s.output_bytes for s in stats] + [0], dtype=float)
+        boundary = crossing_out[b] + np.where(last, outputs[np.maximum(b - 1, 0)], 0.0)
+        self._full = np.where(valid, crossing_msg[a] + inner[b] - inner[a] + boundary, 0.0)
+        self._light = np.where(valid, crossing_msg[a] + boundary, 0.0)  # inf: in _static
+        params = prefix([u.param_bytes + u.trainable_bytes *
+                         (1 + profile.optimizer_state_per_param) for u in profile.units])
+        resident = np.where(a == 0, profile.input_bytes_per_sample * batch_size, 0.0)
+        self._static = np.where(valid, params[b] - params[a] + resident, np.inf)
+        total_time = float(self._work[0, n])
+        self.total_time = max(total_time, 1e-12)
+        self.total_memory = max(float(self._static[0, n] + self._full[0, n]), 1.0)
+
+    def time(self, mode: CheckpointMode) -> np.ndarray:
+        """Forward plus backward of one micro-batch, recomputation averaged over the step."""
+        redo = {"never": 0.0, "except_last": (self.m - 1) / self.m, "always": 1.0}[mode]
+        result: np.ndarray = self._work + redo * self._forward
+        return result
+
+    def memory(self, mode: CheckpointMode, inflight: int) -> np.ndarray:
+        """Parameters, optimizer state and ``inflight`` micro-batches' activations."""
+        if mode == "never":
+            activations = inflight * self._full
+        elif mode == "always":
+            activations = inflight * self._light
+        else:
+            activations = (max(inflight, 1) - 1) * self._light + self._full
+        result: np.ndarray = self._static + activations
+        return result
+
+
+def scaled(profile: Profile, factor: float, bandwidth_factor: float = 1.0) -> Profile:
+    """A profile with every time multiplied by ``factor`` and the link's bandwidth by
+    ``bandwidth_factor`` (what-if studies: a faster device, a slower network)."""
+    stats = {size: tuple(replace(s, forward=s.forward * factor, backward=s.backward * factor,
+                                 backward_input=s.backward_input * factor,
+                                 backward_weight=s.backward_weight * factor) for s in values)
+             for size, values in profile.stats.items()}
+    loss = {size: (f * factor, b * factor) for size, (f, b) in profile.loss.items()}
+    link = None if profile.link is None else replace(
+        profile.link, bandwidth=profile.link.bandwidth * bandwidth_factor)
+    return replace(profile, stats=stats, loss=loss, link=link)
+
+
+def stage_graph_for(report: PlanReport, chosen: Plan) -> StageGraph:
+    """The module-less StageGraph of a plan (for simulating or drawing it)."""
+    return layout(report.profile, [list(u) for u in chosen.stage_units],
+                  list(chosen.placement))[0]

@@ -1,0 +1,206 @@
+"""The planner: optimal splits, budgets, plan files, and (on two gloo ranks) a planned Pipeline
+that trains like the plain model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conveyor import Pipeline
+from conveyor.config import read_plan
+from conveyor.plan import _bottleneck_split, load_workload, plan, schedule_layout
+from conveyor.profile import Profile, Unit, UnitStats, Workload
+from conveyor.schedule import SCHEDULES
+from dist import run_ranks
+
+
+def _brute_force(costs: np.ndarray, can_start: np.ndarray, num_stages: int) -> float:
+    n = len(can_start) - 1
+    best = np.inf
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        if not all(can_start[c] for c in cuts):
+            continue
+        bounds = [0, *cuts, n]
+        best = min(best, max(costs[a, b] for a, b in itertools.pairwise(bounds)))
+    return float(best)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_split_is_optimal_for_its_cost(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n, num_stages = int(rng.integers(3, 9)), int(rng.integers(1, 4))
+    weights = rng.exponential(size=n)
+    costs = np.full((n + 1, n + 1), np.inf)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            # a stage's cost: its work plus a made-up overhead, inf where "memory" is exceeded
+            cost = weights[a:b].sum() + 0.1 * (b - a) ** 0.5
+            costs[a, b] = cost if rng.random() > 0.15 else np.inf
+    can_start = np.array([True] + [bool(rng.random() > 0.2) for _ in range(n - 1)] + [False])
+    starts = _bottleneck_split(lambda j: costs, can_start, num_stages, [0] * num_stages)
+    expected = _brute_force(costs, can_start, num_stages)
+    if starts is None:
+        assert expected == np.inf
+        return
+    bounds = [*starts, n]
+    assert max(costs[a, b] for a, b in itertools.pairwise(bounds)) == pytest.approx(expected)
+
+
+def _profile(forward: list[float], saved: int = 1000, params: int = 100) -> Profile:
+    n = len(forward)
+    units = tuple(Unit(f"u{i}", str(i), (i - 1,), params, params) for i in range(n))
+    stats = {size: tuple(UnitStats(f * size, 2 * f * size, f * size, f * size,
+                                   saved * size, 10 * size, (True,), False, 10 * size, 10)
+                         for f in forward) for size in (1, 2, 4, 8)}
+    return Profile("synthetic", units, stats, {s: (0.0, 0.0) for s in stats}, 8)
+
+
+def test_an_unbalanced_model_gets_an_uneven_split_that_beats_the_even_one() -> None:
+    profile = _profile([8.0, 1, 1, 1, 1, 1, 1, 1, 1])
+    report = plan(None, 2, 1 << 40, 8, profile=profile, schedules=["1f1b"])
+    best = report.best
+    assert best.balance == (1, 8) and best.fits
+    even = [p for p in report.plans if p.balanced_by == "even" and p.num_microbatches ==
+            best.num_microbatches]
+    assert even and min(p.step_time for p in even) > 1.2 * best.step_time
+
+
+def test_every_schedule_is_planned_or_said_why_not() -> None:
+    report = plan(None, 2, 1 << 40, 8, profile=_profile([1.0] * 6))
+    planned = {p.schedule for p in report.plans}
+    skipped = {note.split(" with ")[0] for note in report.notes}
+    assert planned | skipped == set(SCHEDULES)
+    assert report.plans == sorted(report.plans, key=lambda p: (not p.fits, p.step_time,
+                                                              max(p.total_memory)))
+
+
+def test_plans_over_the_budget_are_never_recommended() -> None:
+    profile = _profile([1.0] * 6)
+    unlimited = plan(None, 2, 1 << 40, 8, profile=profile, schedules=["gpipe", "1f1b"])
+    budget = max(unlimited.best.total_memory) - 1  # the fastest plan no longer fits
+    report = plan(None, 2, budget, 8, profile=profile, schedules=["gpipe", "1f1b"])
+    assert any(max(p.total_memory) > budget for p in unlimited.plans)
+    for p in report.plans:
+        assert p.fits == (max(p.total_memory) <= budget)
+    assert report.best.fits and max(report.best.total_memory) <= budget
+    assert report.best.step_time >= unlimited.best.step_time
+    assert (report.best.schedule, report.best.num_microbatches, report.best.stage_units,
+            report.best.checkpoint) != (unlimited.best.schedule, unlimited.best.num_microbatches,
+                                        unlimited.best.stage_units, unlimited.best.checkpoint)
+
+
+def test_a_tight_budget_turns_on_checkpointing_and_too_tight_a_budget_says_what_is_needed() -> None:
+    profile = _profile([1.0] * 6, saved=100_000)
+    free = plan(None, 2, 1 << 40, 8, profile=profile, schedules=["gpipe"], microbatches=[8])
+    assert set(free.best.checkpoint) == {"never"}
+    smallest = min(max(p.total_memory) for p in free.plans)
+    tight = plan(None, 2, smallest, 8, profile=profile, schedules=["gpipe"], microbatches=[8])
+    assert tight.best.fits and "never" not in set(tight.best.checkpoint)
+    hopeless = plan(None, 2, smallest - 1, 8, profile=profile, schedules=["gpipe"],
+                    microbatches=[8])
+    with pytest.raises(ValueError, match=f"smallest memory any plan needs is "
+                                         f"{smallest / 2**20:.1f} MiB"):
+        _ = hopeless.best
+
+
+def test_impossible_requests_are_explained() -> None:
+    profile = _profile([1.0] * 3)
+    with pytest.raises(ValueError, match=r"too few for 4 ranks.*at most 3 ranks"):
+        plan(None, 4, 1 << 40, 8, profile=profile)
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        plan(None, 0, 1 << 40, 8, profile=profile)
+    with pytest.raises(ValueError, match="unknown schedules"):
+        plan(None, 2, 1 << 40, 8, profile=profile, schedules=["nope"])
+    with pytest.raises(ValueError, match=r"must lie in 1\.\.8"):
+        plan(None, 2, 1 << 40, 8, profile=profile, microbatches=[16])
+
+
+def test_schedule_layouts_come_from_the_registry() -> None:
+    for name in SCHEDULES:
+        num_stages, placement = schedule_layout(name, 3)
+        assert num_stages % 3 == 0 and sorted(set(placement)) == [0, 1, 2]
+
+
+def test_workloads_load_by_example_name_or_import_path() -> None:
+    assert load_workload("unbalanced").name == "unbalanced"
+    made = load_workload("test_plan:_factory")
+    assert isinstance(made.model, nn.Sequential) and made.name == "test_plan:_factory"
+    with pytest.raises(ValueError, match="unknown example 'nope'"):
+        load_workload("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_workload("no.such.module:f")
+
+
+def test_a_plan_of_an_sequentials_own_layers_is_a_balance() -> None:
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(5))).double()
+    report = plan(Workload("linear", model, _batch, _loss), 2, 1 << 30, 4, microbatches=[2],
+                  schedules=["1f1b"])
+    fields = report.pipeline_config()
+    assert fields["balance"] == list(report.best.balance) and "split_points" not in fields
+    assert (fields["schedule"], fields["num_microbatches"]) == ("1f1b", 2)
+
+
+def _factory() -> tuple[nn.Module, object, object]:
+    return _model(), _batch, _loss
+
+
+# -- a planned Pipeline on two ranks --------------------------------------------------------
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    widths = [8, 64, 64, 8, 8, 8, 8]
+    layers = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(widths)]
+    return nn.Sequential(*layers).double()
+
+
+def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(size)
+    return (torch.randn(size, 8, generator=generator, dtype=torch.float64),
+            torch.randn(size, 8, generator=generator, dtype=torch.float64))
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def _planned_worker(rank: int, world_size: int, plan_file: str) -> None:
+    fields = read_plan(plan_file)
+    inputs, targets = _batch(8)
+    pipe = Pipeline(_model(), loss_fn=_loss, plan=plan_file)
+    assert pipe.config.schedule == fields["schedule"]
+    assert pipe.config.num_microbatches == fields["num_microbatches"]
+    reference = _model()
+    expected = _loss(reference(inputs), targets)
+    expected.backward()
+    loss = pipe.step(inputs, targets)
+    if loss is not None:
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=1e-10)
+    grads = dict(reference.named_parameters())
+    for name, parameter in pipe.named_parameters():
+        assert parameter.grad is not None
+        torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.dist
+def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: Path) -> None:
+    workload = Workload("planned", _model(), _batch, _loss)
+    report = plan(workload, 2, 1 << 30, 8, microbatches=[2, 4])
+    path = report.write(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    # the layers are nn.Sequential(Linear, Tanh) pairs, opened up: the plan names split points
+    starts = [report.profile.units[units[0]].target for units in report.best.stage_units[1:]]
+    assert data["pipeline"]["split_points"] == starts and "balance" not in data["pipeline"]
+    assert data["prediction"]["step_time_s"] == report.best.step_time
+    assert read_plan(path)["schedule"] == report.best.schedule
+    run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))
+    checkpointed = report.pipeline_config(next(
+        (p for p in report.plans if "always" in p.checkpoint), report.best))
+    path.write_text(json.dumps({"pipeline": checkpointed}))
+    run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))
