@@ -45,6 +45,8 @@ class DemoConfig:
     """Model width."""
     num_layers: int = 4
     """Transformer blocks (the model has two more layers: embedding and head)."""
+    tie_embeddings: bool = True
+    """The output projection is the token embedding (one weight on two ranks, kept equal)."""
     lr: float = 3e-3
     """AdamW learning rate."""
     log_every: int = 50
@@ -60,7 +62,8 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
     """Train on this rank (torch.distributed must be initialized); returns every step's loss
     on the rank that holds the last stage, an empty list elsewhere."""
     torch.manual_seed(0)
-    model = gpt(seq_len=demo.seq_len, dim=demo.dim, num_layers=demo.num_layers)
+    model = gpt(seq_len=demo.seq_len, dim=demo.dim, num_layers=demo.num_layers,
+                tie_embeddings=demo.tie_embeddings)
     pipe = Pipeline(model, pipeline, loss_fn=gpt_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=demo.lr)
     batches = text_batches(demo.batch_size, demo.seq_len, demo.steps)

@@ -83,6 +83,8 @@ def gpt(vocab_size: int = 96, seq_len: int = 64, dim: int = 64, num_layers: int 
     head = Head(dim, vocab_size)
     if tie_embeddings:  # one Parameter object: the output projection is the token table
         head.out.weight = embedding.tokens.weight
+        # N(0, 1) rows would make logits of size sqrt(dim); keep them of order one
+        nn.init.normal_(embedding.tokens.weight, std=dim ** -0.5)
     return nn.Sequential(embedding, *blocks, head)
 
 
