@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from conveyor.schedule.program import Action, Kind
 
-__all__ = ["ActivationMeter", "MemoryReport", "alive_peak"]
+__all__ = ["ActivationMeter", "LiveSavedTensors", "MemoryReport", "alive_peak"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,73 @@ class MemoryReport:
     backward; each storage counted once; parameters excluded)."""
     peak_microbatches: int
     """Most (stage, micro-batch) activation sets alive at once."""
+    peak_saved_bytes: int = 0
+    """Most bytes of tensors autograd had saved for backward and not yet released (measured
+    by liveness, as LiveSavedTensors measures any framework's step)."""
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor while LiveSavedTensors watches: the tensor and a
+    callback when autograd lets it go."""
+
+    __slots__ = ("owner", "pointer", "tensor")
+
+    def __init__(self, owner: LiveSavedTensors, tensor: torch.Tensor, pointer: int) -> None:
+        self.owner, self.tensor, self.pointer = owner, tensor, pointer
+
+    def __del__(self) -> None:
+        self.owner._free(self.pointer)
+
+
+class LiveSavedTensors:
+    """Bytes of the tensors autograd has saved for backward and not released yet, for any
+    framework's step: each storage counted once, excluded storages (parameters) never.
+
+        live = LiveSavedTensors(model.parameters())
+        with live.watching():
+            schedule.step(x)            # e.g. torch.distributed.pipelining
+        live.peak_bytes
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
+        self.bytes = 0
+        self.peak_bytes = 0
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.device.type == "meta":
+            return tensor
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in self.excluded:
+            return tensor
+        entry = self._live.setdefault(pointer, [tensor.untyped_storage().nbytes(), 0])
+        if entry[1] == 0:
+            self.bytes += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        entry[1] += 1
+        # detached: holding an output with its grad_fn would make a cycle through the graph
+        return _Saved(self, tensor.detach(), pointer)
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def reset(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak_bytes = self.bytes
+
+    def _free(self, pointer: int) -> None:
+        entry = self._live[pointer]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self._live[pointer]
 
 
 @dataclass
@@ -48,20 +115,23 @@ class ActivationMeter:
     """Storages the runtime itself holds for each: inputs and outputs, or W's gradients."""
     peak_bytes: int = 0
     peak_microbatches: int = 0
+    live: LiveSavedTensors = field(default_factory=LiveSavedTensors)
+    """Saved tensors by liveness: what autograd has not released yet."""
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         self.excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+        self.live.excluded = self.excluded
 
     @contextmanager
     def saving(self, key: tuple[int, int]) -> Iterator[None]:
         """Count what autograd saves for backward while the body runs ``key``'s forward
         (nothing, and no key, under ``torch.no_grad``)."""
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
+        def pack(tensor: torch.Tensor) -> Any:
             self._add(self._held.setdefault(key, {}), tensor)
-            return tensor
+            return self.live.pack(tensor)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, self.live.unpack):
             yield
         self._update_peak()
 
@@ -99,11 +169,12 @@ class ActivationMeter:
         return len(self._held.keys() | self._values.keys())
 
     def report(self) -> MemoryReport:
-        return MemoryReport(self.peak_bytes, self.peak_microbatches)
+        return MemoryReport(self.peak_bytes, self.peak_microbatches, self.live.peak_bytes)
 
     def reset(self) -> None:
         self.peak_bytes = self.held_bytes
         self.peak_microbatches = self.held_microbatches
+        self.live.reset()
 
     def _add(self, storages: dict[int, int], tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
