@@ -213,7 +213,8 @@ class ThreeTowers(nn.Module):
 def test_auto_split_puts_independent_branches_on_different_stages(example: bool) -> None:
     model = ThreeTowers().double()
     inputs = _inputs()
-    graph = auto_split(model, 3, example_inputs=inputs if example else None)
+    # towers this small cost less than sending their outputs: leave transfers out
+    graph = auto_split(model, 3, example_inputs=inputs if example else None, byte_cost=0.0)
     assert graph.depth == 2 and graph.consumers(0) == [2] and graph.consumers(1) == [2]
     torch.testing.assert_close(run_stages(graph, inputs), model(**inputs), rtol=0, atol=0)
 
@@ -348,3 +349,12 @@ def test_cut_keeps_units_and_shared_weights_whole() -> None:
                      range(3), 2)
     with pytest.raises(ValueError, match="topological order"):
         DataflowGraph(costs=[1, 1], inputs=[[1], []])
+
+
+def test_byte_cost_keeps_cuts_away_from_large_tensors() -> None:
+    costs, inputs = [0.5, 1.0, 1.5, 1.0], [[], [0], [1], [2]]
+    sizes = [1.0, 100.0, 1.0, 1.0]  # node 1 produces a large tensor
+    assert cut_in_order(DataflowGraph(costs, inputs, sizes), range(4), 2).starts == (0, 2)
+    costly = DataflowGraph(costs, inputs, sizes, byte_cost=0.05)
+    plan = cut_in_order(costly, range(4), 2)
+    assert plan.starts == (0, 3) and plan.stage_costs == pytest.approx((3.0, 1.05))

@@ -30,9 +30,13 @@ from conveyor.split import (
     trace,
 )
 
-__all__ = ["auto_split", "node_costs"]
+__all__ = ["DEFAULT_BYTE_COST", "auto_split", "node_costs"]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_BYTE_COST = 4.0
+"""FLOPs one byte received is worth, by default: a rough ratio of compute speed to
+point-to-point bandwidth (tens of GFLOP/s against a few GB/s on CPU and gloo)."""
 
 
 def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
@@ -40,7 +44,7 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
                placement: Sequence[int] | None = None,
                concrete_args: dict[str, Any] | None = None,
                leaf_modules: Sequence[str | type[nn.Module]] = (),
-               relay_skips: bool = False) -> StageGraph:
+               byte_cost: float | None = None, relay_skips: bool = False) -> StageGraph:
     """Trace ``model`` and cut it into ``num_stages`` stages for the shortest pipeline step.
 
     Stages are contiguous runs of a topological order that keeps each branch together, so
@@ -49,8 +53,10 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
     depth of the stage graph by simulating a 1F1B step (conveyor.cut). Node costs are FLOPs
     plus elements produced, measured on ``example_inputs`` (a batch as ``Pipeline.step`` takes
     it), else parameter counts; ``costs`` (by node name or module qualified name, e.g. a
-    profiler's per-layer times) overrides them. Cuts fall between submodules, going inside one
-    only when it costs more than a stage should. Users of a shared parameter stay in one stage.
+    profiler's per-layer times) overrides them. Each byte a stage receives adds ``byte_cost``
+    to its cost (default ``DEFAULT_BYTE_COST`` with example inputs, else 0: sizes unknown).
+    Cuts fall between submodules, going inside one only when it costs more than a stage
+    should. Users of a shared parameter stay in one stage.
 
     Raises:
         TypeError: the model cannot be traced; the message names the operation and says how
@@ -79,6 +85,8 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
         costs=[weights[n] for n in nodes],
         inputs=[[index[i] for i in n.all_input_nodes if i in index] for n in nodes],
         sizes=[sizes[n] for n in nodes],
+        byte_cost=(DEFAULT_BYTE_COST if example_inputs is not None else 0.0)
+        if byte_cost is None else byte_cost,
         units=_units(nodes, weights, num_stages),
         together=_shared_users(model, index))
     plan = best_cut(dataflow, num_stages, num_microbatches)

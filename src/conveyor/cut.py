@@ -41,6 +41,9 @@ class DataflowGraph:
     units: Sequence[Hashable] | None = None
     """A cut may fall only between nodes of different units (e.g. whole submodules);
     default: between any two nodes."""
+    byte_cost: float = 0.0
+    """Cost of receiving one unit of size (a byte), added to the receiving stage's cost: how
+    much compute a transfer is worth. 0 uses sizes only to break ties."""
     together: Sequence[Sequence[int]] = ()
     """Groups of nodes that one stage must hold (the users of a shared weight); the stage
     then also holds every node between them in the order cut."""
@@ -66,6 +69,7 @@ class Cut:
     stage_of: tuple[int, ...]
     """Stage of each node, by node index."""
     stage_costs: tuple[float, ...]
+    """Each stage's cost: its nodes' plus ``byte_cost`` per byte it receives."""
     depth: int
     """Stages on the longest path of the stage graph."""
     sent: float
@@ -82,6 +86,8 @@ class _Partial:
     sent: float
     starts: tuple[int, ...]
     depths: tuple[int, ...]
+    stage_costs: tuple[float, ...]
+    """Each stage's compute plus what it receives, times ``byte_cost``."""
 
 
 def branch_order(inputs: Sequence[Sequence[int]]) -> list[int]:
@@ -156,8 +162,8 @@ def cut_in_order(graph: DataflowGraph, order: Sequence[int], num_stages: int,
             f"cannot cut {len(order)} nodes into {num_stages} stages: there are only "
             f"{len(bounds) - 2} places to cut (whole modules stay in one stage, and so do the "
             "users of a shared weight); ask for fewer stages")
-    finals = _search(costs, inputs, sizes, bounds, num_stages)
-    cuts = [_finish(order, costs, inputs, sizes, p, num_microbatches) for p in finals]
+    finals = _search(costs, inputs, sizes, bounds, num_stages, graph.byte_cost)
+    cuts = [_finish(order, inputs, p, num_microbatches) for p in finals]
     return _fastest(cuts)
 
 
@@ -185,7 +191,7 @@ def _cut_positions(graph: DataflowGraph, order: Sequence[int],
 
 
 def _search(costs: list[float], inputs: list[list[int]], sizes: list[float],
-            bounds: list[int], num_stages: int) -> list[_Partial]:
+            bounds: list[int], num_stages: int, byte_cost: float) -> list[_Partial]:
     """The DP of ``cut_in_order``; returns the complete partials, one per final depth."""
     prefix = [0.0]
     for c in costs:
@@ -194,16 +200,17 @@ def _search(costs: list[float], inputs: list[list[int]], sizes: list[float],
     # states[b][j][depth]: best partial with j stages ending at bounds[b]
     states: list[list[dict[int, _Partial]]] = [[{} for _ in range(num_stages + 1)]
                                                for _ in bounds]
-    states[0][0][0] = _Partial(0.0, 0.0, (), ())
+    states[0][0][0] = _Partial(0.0, 0.0, (), (), ())
     for b in range(last):
         for j in range(num_stages):
             for partial in states[b][j].values():
-                _extend(partial, b, j, bounds, prefix, inputs, sizes, num_stages, states)
+                _extend(partial, b, j, bounds, prefix, inputs, sizes, byte_cost, num_stages,
+                        states)
     return list(states[last][num_stages].values())
 
 
 def _extend(partial: _Partial, b: int, j: int, bounds: list[int], prefix: list[float],
-            inputs: list[list[int]], sizes: list[float], num_stages: int,
+            inputs: list[list[int]], sizes: list[float], byte_cost: float, num_stages: int,
             states: list[list[dict[int, _Partial]]]) -> None:
     """Try every end for stage ``j`` starting at ``bounds[b]``."""
     start, last = bounds[b], len(bounds) - 1
@@ -220,8 +227,9 @@ def _extend(partial: _Partial, b: int, j: int, bounds: list[int], prefix: list[f
         if (b2 == last) != (remaining == 0) or last - b2 < remaining:
             continue
         depth = depth_in + 1
-        candidate = _Partial(max(partial.cost, prefix[bounds[b2]] - prefix[start]), sent,
-                             starts, (*partial.depths, depth))
+        cost = prefix[bounds[b2]] - prefix[start] + byte_cost * (sent - partial.sent)
+        candidate = _Partial(max(partial.cost, cost), sent, starts, (*partial.depths, depth),
+                             (*partial.stage_costs, cost))
         key = max(candidate.depths)
         known = states[b2][j + 1].get(key)
         if known is None or _better(candidate.cost, candidate.sent, known.cost, known.sent):
@@ -236,12 +244,11 @@ def _better(cost: float, sent: float, other_cost: float, other_sent: float) -> b
     return cost <= other_cost * (1 + _TOLERANCE) and sent < other_sent
 
 
-def _finish(order: Sequence[int], costs: list[float], inputs: list[list[int]],
-            sizes: list[float], partial: _Partial, num_microbatches: int) -> Cut:
+def _finish(order: Sequence[int], inputs: list[list[int]], partial: _Partial,
+            num_microbatches: int) -> Cut:
     """A Cut with its simulated step time."""
     num_stages = len(partial.starts)
-    ends = [*partial.starts[1:], len(order)]
-    stage_costs = tuple(sum(costs[a:e]) for a, e in zip(partial.starts, ends, strict=True))
+    stage_costs = partial.stage_costs
     stage_at = [bisect.bisect_right(partial.starts, i) - 1 for i in range(len(order))]
     stage_of = [0] * len(order)
     for i, node in enumerate(order):
