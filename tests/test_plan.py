@@ -204,3 +204,36 @@ def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: P
         (p for p in report.plans if "always" in p.checkpoint), report.best))
     path.write_text(json.dumps({"pipeline": checkpointed}))
     run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_plan_command_prints_plans_and_writes_the_best(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli import main
+
+    saved = tmp_path / "profile.json"
+    report = plan(Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, microbatches=[2, 4])
+    report.profile.save(saved)
+    out_file = tmp_path / "plan.json"
+    argv = ["plan", "--model", "test_plan:_factory", "--ranks", "2", "--memory", "1GiB",
+            "--batch-size", "8", "--microbatches", "2", "4", "--profile", str(saved),
+            "--out", str(out_file), "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "plans simulated" in out and "best:" in out and len(out.splitlines()) >= 5
+    assert read_plan(out_file)["num_microbatches"] in (2, 4)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv[:6], "1KiB", *argv[7:]])
+    assert exit_info.value.code == 2
+    assert "smallest memory any plan needs" in capsys.readouterr().err
+
+
+def test_memory_sizes_read_with_units() -> None:
+    from conveyor.cli_tools import parse_bytes
+
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1.5 MB") == 1_500_000
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="2GiB, 512MiB"):
+        parse_bytes("lots")

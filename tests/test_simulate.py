@@ -23,6 +23,7 @@ from conveyor.simulate import (
     predict,
     split_units,
 )
+from conveyor.trace import Timeline
 from dist import run_ranks
 
 
@@ -245,3 +246,21 @@ def test_profile_costs_reject_a_split_that_does_not_cover_the_units() -> None:
     rng_state = torch.get_rng_state().numel()  # travels with every forward message
     assert cost.message_bytes(Action(0, Kind.SEND_F, 0, 1)) == 10 + rng_state
     assert cost.message_bytes(Action(0, Kind.RECV_B, 0, 1)) == 10
+
+
+def test_simulate_command_predicts_a_profiled_model(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli import main
+
+    _profile(forward=1e-3).save(tmp_path / "p.json")
+    argv = ["simulate", "--profile", str(tmp_path / "p.json"), "--schedule", "1f1b",
+            "--stages", "2", "--microbatches", "3", "--balance", "1", "3",
+            "--png", str(tmp_path / "p.png"), "--save-timeline", str(tmp_path / "t.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predicted:" in out and "rank 1: peak activations" in out
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert Timeline.load(tmp_path / "t.json").source == "simulated"
+    with pytest.raises(SystemExit):
+        main([*argv[:9], "--balance", "1", "1", "2"])
+    assert "--balance has 3 stages" in capsys.readouterr().err

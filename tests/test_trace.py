@@ -99,14 +99,16 @@ def _write_run(directory: Path, ranks: dict[int, dict[int, list[list[object]]]],
         (directory / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def test_load_run_merges_the_ranks_of_one_step_from_the_earliest_event(tmp_path: Path) -> None:
+def test_load_run_merges_one_step_from_when_every_rank_has_entered_it(tmp_path: Path) -> None:
     _write_run(tmp_path, {0: {0: [["0F0", 100.0, 101.0, 0, 5]], 1: [["0F0", 200.0, 201.0, 0, 5]]},
                           1: {0: [["1F0", 100.5, 102.0, 0, 3]], 1: [["1F0", 199.5, 202.0, 0, 3]]}})
     last = load_run(tmp_path)
     assert last.meta["step"] == 1 and last.meta["schedule"] == "1f1b"
+    # rank 1 entered step 1 at 199.5, rank 0 at 200.0: the step starts at 200.0
     assert [(e.rank, e.action, e.start, e.end) for e in last.events] == [
-        (0, "0F0", 0.5, 1.5), (1, "1F0", 0.0, 2.5)]
-    assert load_run(tmp_path, step=0).step_time == pytest.approx(2.0)
+        (0, "0F0", 0.0, 1.0), (1, "1F0", 0.0, 2.0)]
+    first = load_run(tmp_path, step=0)  # rank 0 at 100.0, rank 1 at 100.5
+    assert [(e.start, e.end) for e in first.events] == [(0.0, 0.5), (0.0, 1.5)]
     with pytest.raises(ValueError, match=r"recorded steps: 0\.\.1"):
         load_run(tmp_path, step=5)
 
@@ -214,3 +216,69 @@ def test_recorded_runs_match_their_programs_and_their_files(tmp_path: Path) -> N
         for a, b in zip(from_files.events, gathered.events, strict=True):
             assert a.duration == pytest.approx(b.duration, abs=1e-9)
             assert a.start == pytest.approx(b.start, abs=1e-9)
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_trace_command_prints_the_summary_and_writes_the_pictures(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conveyor.cli import main
+
+    _write_run(tmp_path, {0: {3: [["0F0", 10.0, 11.0, 0, 5], ["0B0", 12.0, 14.0, 0, 0]]},
+                          1: {3: [["wait 1RF0<0", 10.0, 11.0, 0, 0], ["1F0", 11.0, 12.0, 0, 3]]}})
+    predicted = Timeline(2, [Event(0, "0F0", 0.0, 1.0), Event(1, "1F0", 1.0, 2.0)], "simulated")
+    predicted.save(tmp_path / "predicted.json")
+    assert main(["trace", str(tmp_path), "--compare", str(tmp_path / "predicted.json")]) == 0
+    out = capsys.readouterr().out
+    assert "measured schedule=1f1b: step 4000.00 ms, bubble 50.0%" in out
+    assert "simulated: step 2000.00 ms" in out
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
+        "measured rank 0", "measured rank 1", "simulated rank 0", "simulated rank 1"}
+
+
+def test_run_options_are_taken_before_the_script_only(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    from conveyor.cli_tools import take_run_options
+
+    monkeypatch.delenv("CONVEYOR_TRACE_DIR", raising=False)
+    rest = take_run_options(["-n", "2", f"--trace={tmp_path}", "train.py", "--trace", "x"])
+    assert rest == ["-n", "2", "train.py", "--trace", "x"]
+    assert Path(str(__import__("os").environ["CONVEYOR_TRACE_DIR"])) == tmp_path.resolve()
+    with pytest.raises(ValueError, match="--trace needs a value"):
+        take_run_options(["--trace"])
+    with pytest.raises(ValueError, match="no 'pipeline' section"):
+        (tmp_path / "p.json").write_text("{}")
+        take_run_options(["--plan", str(tmp_path / "p.json"), "train.py"])
+
+
+_SCRIPT = '''
+import torch, torch.distributed as dist
+from torch import nn
+import conveyor
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+pipe = conveyor.Pipeline(model, loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+                         num_microbatches=2)
+for _ in range(3):
+    pipe.step(torch.randn(4, 4), torch.randn(4, 2))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.dist
+def test_conveyor_run_trace_records_every_rank(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.cli import main
+
+    monkeypatch.delenv("CONVEYOR_TRACE_DIR", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    assert main(["run", "--trace", str(tmp_path / "run"), "-n", "2", str(script)]) == 0
+    timeline = load_run(tmp_path / "run")
+    assert timeline.meta["step"] == 2 and timeline.num_ranks == 2
+    assert [e.action for e in timeline.on(0) if e.is_compute] == ["0F0", "0F1", "0B0", "0B1"]

@@ -3,6 +3,8 @@
     conveyor demo                                   # train a GPT on 2 local ranks
     conveyor run -n 2 train.py --lr 1e-3            # any script, under torchrun
     conveyor simulate --schedule 1f1b --stages 4 --microbatches 8
+    conveyor run --trace runs/t -n 2 train.py; conveyor trace runs/t    # a measured timeline
+    conveyor plan --model gpt --ranks 2 --memory 1GiB --batch-size 32 --out plan.json
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from conveyor.cli_tools import (
+    add_simulate_flags,
+    add_tool_commands,
+    simulate_profile,
+    take_run_options,
+)
 from conveyor.config import PipelineConfig
 from conveyor.demo import DemoConfig, worker_args
 from conveyor.graph import PLACEMENT_STYLES, chain, place
@@ -58,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Start a script on every rank with torchrun. Options before the script are "
         "torchrun's (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts, ...), plus -n N "
         "for --nproc-per-node (default 2); without a rendezvous endpoint the ranks run on this "
-        "machine (--standalone).",
+        "machine (--standalone). conveyor's own: --trace DIR records every Pipeline's timeline "
+        "to DIR (render with conveyor trace DIR); --plan FILE runs every Pipeline with a plan "
+        "from conveyor plan --out FILE.",
         usage="conveyor run [-n N] [torchrun options] script.py [script args]",
         prefix_chars="+", add_help=False)  # every token goes to torchrun's own parser
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER,
@@ -67,9 +77,14 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="train the shipped GPT, pipelined over local ranks")
     demo.add_argument("--config", type=Path, help="TOML file with demo and pipeline fields")
+    demo.add_argument("--trace", metavar="DIR", dest="trace_dir", default=None,
+                      help="record every step's timeline to DIR and render the last one "
+                      "(DIR/timeline.png, DIR/trace.json)")
     add_dataclass_flags(demo, DemoConfig)
-    add_dataclass_flags(demo, PipelineConfig)
+    add_dataclass_flags(demo, PipelineConfig, skip=("trace", "trace_dir"))
     demo.set_defaults(command=_demo)
+
+    add_tool_commands(commands)
 
     simulate = commands.add_parser("simulate", help="print a schedule's Program as a "
                                    "rank x time grid, without starting processes")
@@ -85,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--microbatches", type=int, default=8)
     simulate.add_argument("--actions", action="store_true",
                           help="also print every rank's actions, sends and receives included")
+    add_simulate_flags(simulate)
     simulate.set_defaults(command=_simulate)
     return parser
 
@@ -93,7 +109,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.torchrun_args or args.torchrun_args[0] in ("-h", "--help"):
         args.run_parser.print_help()
         return 0
-    return _torchrun(args.torchrun_args)
+    return _torchrun(take_run_options(args.torchrun_args))
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -105,6 +121,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.profile is not None:  # a profiled model: predicted time and memory
+        return simulate_profile(args)
     layout = layout_of(args.schedule)
     per_rank = args.virtual_stages or layout.virtual_stages
     if args.stages < 1 or per_rank < 1:
@@ -156,11 +174,15 @@ def _torchrun(arguments: list[str]) -> int:
 # -- flags from dataclasses ---------------------------------------------------------------
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--field-name`` flag per dataclass field; help comes from the field's docstring."""
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type,
+                        skip: Sequence[str] = ()) -> None:
+    """One ``--field-name`` flag per dataclass field (but ``skip``); help comes from the
+    field's docstring."""
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
         flag = "--" + field.name.replace("_", "-")
         kind, nargs = _flag_type(hints[field.name])
         default = field.default if field.default is not dataclasses.MISSING else None

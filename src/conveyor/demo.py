@@ -88,7 +88,22 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
                             tokens * step / elapsed / 1e3)
     if is_last:
         _summary(demo, pipe, losses, time.perf_counter() - start)
+    if pipeline.trace_dir:
+        _render_trace(pipeline.trace_dir)
     return losses
+
+
+def _render_trace(directory: str) -> None:
+    """Draw the last recorded step once every rank has written it (conveyor trace DIR)."""
+    from conveyor.trace import load_run, write_chrome, write_png
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        timeline = load_run(directory)
+        png = write_png(f"{directory}/timeline.png", timeline)
+        chrome = write_chrome(f"{directory}/trace.json", timeline)
+        logger.info("%s\nwrote %s and %s; `conveyor trace %s` renders any recorded step",
+                    timeline.summary_text(), png, chrome, directory)
 
 
 def _summary(demo: DemoConfig, pipe: Pipeline, losses: list[float], seconds: float) -> None:

@@ -31,13 +31,20 @@ import numpy as np
 from torch import nn
 
 from conveyor.graph import StageGraph, place
-from conveyor.profile import Profile, UnitStats, Workload, profile_model, trace_units
+from conveyor.profile import (
+    Profile,
+    UnitStats,
+    Workload,
+    measure_local,
+    profile_model,
+    trace_units,
+)
 from conveyor.schedule import SCHEDULES, Kind, Program, layout_of
 from conveyor.simulate import CheckpointMode, DeadlockError, ProfileCost, layout, predict
 
 __all__ = [
-    "EXAMPLES", "Objective", "Plan", "PlanReport", "example", "load_workload", "plan",
-    "scaled", "schedule_layout", "stage_graph_for",
+    "EXAMPLES", "Objective", "Plan", "PlanReport", "example", "load_workload",
+    "measured_profile", "plan", "scaled", "schedule_layout", "stage_graph_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -282,8 +289,7 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
     unknown = [n for n in names if n not in SCHEDULES]
     if unknown:
         raise ValueError(f"unknown schedules {unknown}; expected names from {sorted(SCHEDULES)}")
-    counts = list(microbatches) if microbatches is not None else _divisors(
-        batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
+    counts = _counts(batch_size, num_ranks, names, microbatches)
     if any(m < 1 or m > batch_size for m in counts):
         raise ValueError(f"micro-batch counts {counts} must lie in 1..{batch_size} (the batch)")
     profile, children = _profile_for(workload, profile, num_ranks, batch_size, counts,
@@ -326,17 +332,41 @@ def _dedupe(plans: list[Plan]) -> list[Plan]:
     return list(seen.values())
 
 
+def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
+                     microbatches: Sequence[int] | None = None,
+                     schedules: Sequence[str] | None = None) -> Profile:
+    """The profile ``plan`` would measure, plus the runtime's overheads and the link between
+    two ranks started on this machine (``conveyor.profile.measure_local``)."""
+    names = list(SCHEDULES) if schedules is None else list(schedules)
+    counts = _counts(batch_size, num_ranks, names, microbatches)
+    max_virtual = max(layout_of(n).virtual_stages for n in names)
+    depth = _depth_for(workload.model, num_ranks * max_virtual)
+    profile = profile_model(workload, _sizes(batch_size, counts), depth=depth)
+    profile.overheads, profile.link = measure_local()
+    return profile
+
+
+def _counts(batch_size: int, num_ranks: int, names: Sequence[str],
+            microbatches: Sequence[int] | None) -> list[int]:
+    if microbatches is not None:
+        return list(microbatches)
+    return _divisors(batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
+
+
+def _sizes(batch_size: int, counts: Sequence[int]) -> list[int]:
+    return sorted({max(1, round(batch_size / m)) for m in counts})
+
+
 def _profile_for(workload: Workload | None, profile: Profile | None, num_ranks: int,
                  batch_size: int, counts: Sequence[int],
                  max_virtual: int) -> tuple[Profile, list[str] | None]:
     """The profile to plan with (measured now if not given), at a depth with enough units."""
     if workload is None and profile is None:
         raise ValueError("plan needs a workload to profile or a profile")
-    sizes = sorted({max(1, round(batch_size / m)) for m in counts})
     if profile is None:
         assert workload is not None
         depth = _depth_for(workload.model, num_ranks * max_virtual)
-        profile = profile_model(workload, sizes, depth=depth)
+        profile = profile_model(workload, _sizes(batch_size, counts), depth=depth)
     elif workload is not None:
         profile.check(trace_units(workload.model, profile.depth)[2])
     cut_points = sum(1 for u in profile.units if u.target)

@@ -40,7 +40,7 @@ from conveyor.split import bind_inputs, trace
 
 __all__ = [
     "Link", "Overheads", "Profile", "Unit", "UnitStats", "Workload",
-    "measure_link", "measure_overheads", "profile_model", "trace_units",
+    "measure_link", "measure_local", "measure_overheads", "profile_model", "trace_units",
 ]
 
 logger = logging.getLogger(__name__)
@@ -675,6 +675,46 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) /
              sum((x - mean_x) ** 2 for x in xs))
     return slope, mean_y - slope * mean_x
+
+
+def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
+    """Runtime overheads and the link between two ranks started here (gloo, one thread each),
+    for a profile made in a process that has no peers (``conveyor plan``)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory, "measured.json")
+        context = mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
+            _local_worker, args=(str(Path(directory, "store")), str(out)), nprocs=2, join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"measuring the link between two local ranks took over "
+                                       f"{timeout_s:.0f} s; pass --no-link to plan without it")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        data = json.loads(out.read_text())
+    return Overheads(**data["overheads"]), Link(**data["link"])
+
+
+def _local_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        overheads = measure_overheads()
+        link = measure_link()
+        if rank == 0:
+            Path(out).write_text(json.dumps({"overheads": dataclasses.asdict(overheads),
+                                             "link": dataclasses.asdict(link)}))
+    finally:
+        dist.destroy_process_group()
 
 
 def _need_two(group: dist.ProcessGroup | None) -> None:

@@ -316,11 +316,19 @@ class Recorder:
 
 
 def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Timeline:
-    """One Timeline from per-rank parts of the same step, timed from the earliest event."""
+    """One Timeline from per-rank parts of the same step.
+
+    The step starts when the last rank enters it: a rank that finished the previous step
+    early waits for the others inside its first receive, and that wait belongs to no step, so
+    events are clipped to start no earlier than that moment (time 0).
+    """
     events = sorted((e for part in parts for e in part.events), key=lambda e: (e.rank, e.start))
     num_ranks = max((p.num_ranks for p in parts), default=0)
-    merged = Timeline(num_ranks, events, "measured", dict(meta or {}))
-    return merged.shifted(merged.start)
+    starts = [min(e.start for e in part.events) for part in parts if part.events]
+    origin = max(starts, default=0.0)
+    clipped = [Event(e.rank, e.action, max(e.start, origin) - origin,
+                     max(e.end, origin) - origin, e.bytes, e.memory) for e in events]
+    return Timeline(num_ranks, clipped, "measured", dict(meta or {}))
 
 
 def load_run(directory: str | Path, step: int | None = None) -> Timeline:

@@ -29,7 +29,7 @@ class MLPBlock(nn.Module):
         return out
 
 
-def unbalanced_mlp(dim: int = 128, widths: Sequence[int] = (32, 32, 1, 1, 1, 1, 1, 1),
+def unbalanced_mlp(dim: int = 256, widths: Sequence[int] = (32, 32, 1, 1, 1, 1, 1, 1),
                    ) -> nn.Sequential:
     """An nn.Sequential of residual MLP blocks, block i with ``widths[i] * dim`` hidden units.
 
@@ -41,7 +41,7 @@ def unbalanced_mlp(dim: int = 128, widths: Sequence[int] = (32, 32, 1, 1, 1, 1, 
     return nn.Sequential(*(MLPBlock(dim, w * dim) for w in widths))
 
 
-def regression_batch(batch_size: int, dim: int = 128, seed: int = 0
+def regression_batch(batch_size: int, dim: int = 256, seed: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of a fixed random regression task, the same for the same arguments."""
     generator = torch.Generator().manual_seed(seed)
