@@ -19,6 +19,8 @@ from conveyor.models import (
     click_batches,
     click_loss,
     dlrm,
+    gpt,
+    gpt_loss,
     multimodal_batches,
     segmentation_batches,
     segmentation_loss,
@@ -165,7 +167,7 @@ def _check(rank: int, model: nn.Module, make: Callable[[nn.Module], conveyor.Pip
     loss = pipe.step(inputs, targets)
     if loss is not None:
         torch.testing.assert_close(loss, expected.detach(), **TOLERANCE, msg=what)
-    grads = {name: p.grad for name, p in reference.named_parameters()}
+    grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False)}
     checked = 0
     for name, p in pipe.named_parameters():
         assert p.grad is not None, f"{what}: rank {rank} {name} has no gradient"
@@ -220,6 +222,14 @@ def _branches_worker(rank: int, world_size: int) -> None:
         _check(rank, recommender, lambda m, s=schedule: conveyor.Pipeline(
             m, auto_split=True, example_inputs=batch, schedule=s, num_microbatches=4,
             loss_fn=click_loss), batch, clicks, click_loss, f"dlrm auto {schedule}")
+    # a language model with tied embeddings: auto_split cuts between the two users
+    lm = gpt(vocab_size=16, seq_len=6, dim=8, num_layers=2, num_heads=2, dropout=0.0,
+             tie_embeddings=True).double()
+    ids, next_ids = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
+    pipe = _check(rank, lm, lambda m: conveyor.Pipeline(
+        m, auto_split=True, leaf_modules=("Block",), num_microbatches=2, loss_fn=gpt_loss),
+        ids, next_ids, gpt_loss, "tied gpt auto")
+    assert pipe.graph.num_stages == 2
 
 
 class Diamond(nn.Module):

@@ -9,6 +9,7 @@ from torch import nn
 from conveyor.autosplit import auto_split
 from conveyor.cut import DataflowGraph, best_cut, branch_order, cut_in_order
 from conveyor.graph import MODEL_OUTPUT
+from conveyor.models import Block, gpt
 from conveyor.split import (
     StageAnnotation,
     balance_to_split_points,
@@ -262,7 +263,8 @@ def test_auto_split_handles_ordinary_modules() -> None:
     mask = (torch.rand(5, 8) > 0.2).double()
     expected = model(x, mask, scale=0.5)
     for example in (None, {"x": x, "mask": mask, "scale": 0.5}):
-        graph = auto_split(model, 3, example_inputs=example, concrete_args={"scale": 0.5})
+        graph = auto_split(model, 3, example_inputs=example, concrete_args={"scale": 0.5},
+                           keep_shared=True)
         assert graph.model_inputs == ("x", "mask", "scale")
         inputs = bind_inputs(model, {"x": x, "mask": mask, "scale": 0.5})
         torch.testing.assert_close(run_stages(graph, inputs), expected, rtol=0, atol=0)
@@ -290,7 +292,7 @@ def test_untraceable_model_error_names_the_operation_and_how_to_annotate() -> No
     assert "cannot be used as inputs to control flow" in message  # the operation
     assert "inside module 'inner' (Untraceable)" in message
     assert "if x.sum() > 0" in message  # the line
-    assert "leaf_modules=['<name>']" in message and "split_by_modules" in message
+    assert "leaf_modules=['inner']" in message and "split_by_modules" in message
     model = Branchy()
     graph = auto_split(model, 2, leaf_modules=["inner"])  # kept whole: never traced
     for sign in (1.0, -1.0):  # both sides of the data-dependent branch
@@ -298,6 +300,21 @@ def test_untraceable_model_error_names_the_operation_and_how_to_annotate() -> No
         torch.testing.assert_close(run_stages(graph, {"x": x}), model(x), rtol=0, atol=0)
     annotated = split_by_modules(Branchy(), ["inner", "other"])
     assert annotated.num_stages == 2
+
+
+def test_auto_split_may_cut_between_the_users_of_tied_weights() -> None:
+    model = gpt(vocab_size=16, seq_len=8, dim=8, num_layers=2, num_heads=2, dropout=0.0,
+                tie_embeddings=True).double()
+    with pytest.raises(TypeError, match=r"leaf_modules=\['1'\]"):  # Block is not traceable
+        auto_split(model, 2)
+    graph = auto_split(model, 2, leaf_modules=[Block])  # keep every Block whole
+    owners = [s.index for s in graph.stages for n, _ in s.module.named_parameters()
+              if n in ("0.tokens.weight", "3.out.weight")]
+    assert owners == [0, 1]  # the embedding and the output layer, tied across stages
+    ids = torch.randint(0, 16, (2, 8))
+    torch.testing.assert_close(run_stages(graph, {"input": ids}), model(ids), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="only 0 places to cut"):
+        auto_split(model, 2, leaf_modules=[Block], keep_shared=True)  # all between the users
 
 
 def test_auto_split_on_the_meta_device_allocates_nothing() -> None:

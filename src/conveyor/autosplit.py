@@ -44,7 +44,8 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
                placement: Sequence[int] | None = None,
                concrete_args: dict[str, Any] | None = None,
                leaf_modules: Sequence[str | type[nn.Module]] = (),
-               byte_cost: float | None = None, relay_skips: bool = False) -> StageGraph:
+               byte_cost: float | None = None, keep_shared: bool = False,
+               relay_skips: bool = False) -> StageGraph:
     """Trace ``model`` and cut it into ``num_stages`` stages for the shortest pipeline step.
 
     Stages are contiguous runs of a topological order that keeps each branch together, so
@@ -56,7 +57,11 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
     profiler's per-layer times) overrides them. Each byte a stage receives adds ``byte_cost``
     to its cost (default ``DEFAULT_BYTE_COST`` with example inputs, else 0: sizes unknown).
     Cuts fall between submodules, going inside one only when it costs more than a stage
-    should. Users of a shared parameter stay in one stage.
+    should. A parameter used in several places (tied embeddings, a shared encoder) may end up
+    in several stages, which the Pipeline keeps identical (conveyor.tied); ``keep_shared``
+    keeps all its users in one stage instead.
+
+    ``leaf_modules`` (qualified names, class names or classes) are kept whole, never traced.
 
     Raises:
         TypeError: the model cannot be traced; the message names the operation and says how
@@ -67,7 +72,9 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
     default = fx.Tracer()
 
     def is_leaf(m: nn.Module, name: str) -> bool:
-        if name in leaves or any(isinstance(c, type) and isinstance(m, c) for c in leaves):
+        if name in leaves or type(m).__name__ in leaves:
+            return True
+        if any(isinstance(c, type) and isinstance(m, c) for c in leaves):
             return True
         return default.is_leaf_module(m, name)
 
@@ -88,7 +95,7 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
         byte_cost=(DEFAULT_BYTE_COST if example_inputs is not None else 0.0)
         if byte_cost is None else byte_cost,
         units=_units(nodes, weights, num_stages),
-        together=_shared_users(model, index))
+        together=_shared_users(model, index) if keep_shared else ())
     plan = best_cut(dataflow, num_stages, num_microbatches)
     logger.info("auto split: stage costs %s, depth %d, est. 1F1B step %.3g (cost units)",
                 [f"{c:.3g}" for c in plan.stage_costs], plan.depth, plan.step_time)

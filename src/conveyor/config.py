@@ -64,6 +64,9 @@ class PipelineConfig:
     auto_split: bool = False
     """Trace the model and cut it into one stage per rank (or per placement entry) for the
     shortest step, independent branches on different ranks (conveyor.autosplit)."""
+    leaf_modules: tuple[str, ...] = ()
+    """Submodules auto_split keeps whole and never traces: qualified names ('encoder.3') or
+    class names ('Block'), e.g. for code torch.fx cannot trace."""
     stage_checkpoint: tuple[Literal["always", "except_last", "never"], ...] | None = None
     """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
     (conveyor.plan) writes it."""

@@ -316,7 +316,8 @@ def _split(model: nn.Module | StageGraph, config: PipelineConfig, num_ranks: int
         num_stages = len(config.placement) if config.placement is not None else num_ranks
         return (), auto_split(model, num_stages, example_inputs=example_inputs,
                               num_microbatches=config.num_microbatches,
-                              placement=config.placement, concrete_args=concrete_args)
+                              placement=config.placement, concrete_args=concrete_args,
+                              leaf_modules=config.leaf_modules)
     split_points = _split_points(model, config, num_ranks)
     return split_points, split_model(model, split_points, config.placement, concrete_args)
 

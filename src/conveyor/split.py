@@ -142,6 +142,8 @@ def trace(model: nn.Module, split_points: Sequence[str] = (),
             "code into a submodule that lies wholly inside one stage, choose split points "
             "around it, pass concrete_args for inputs that steer control flow, or use an "
             "nn.Sequential with balance")
+        if inside:  # name the module in the advice, e.g. leaf_modules=['encoder.3']
+            advice = advice.replace("<name>", stack[-1][0])
         raise TypeError(
             f"cannot trace {type(model).__name__} with torch.fx to split it: tracing stopped "
             f"at {type(error).__name__}: {error}{inside}{_where(error)}. {advice}") from error
