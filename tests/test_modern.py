@@ -97,6 +97,10 @@ def _correctness(rank: int, world_size: int, cases: list[tuple[str, int, int, st
             ours.zero_grad()
             theirs.zero_grad()
         assert pipe.ties.max_difference() == 0.0
+        output = pipe.forward(x)  # inference runs every layout too
+        if rank == pipe.graph.rank_of(pipe.graph.sink):
+            with torch.no_grad():
+                torch.testing.assert_close(output, plain(x), rtol=0, atol=1e-12, msg=what)
 
 
 def cases(microbatches: list[int], checkpoints: list[str]) -> list[tuple[str, int, int, str]]:
@@ -221,6 +225,31 @@ def _declared(rank: int, world_size: int) -> None:
 
 def test_declared_ties(tmp_path: Path) -> None:
     run_ranks(_declared, tmp_path, world_size=2, timeout_s=120)
+
+
+CUSTOM = """
+# ZB-H1's idea by hand: rank 1 defers both weight gradients to the end
+rank 0: 0F0 0F1 0F2 0I0 0W0 0I1 0W1 0I2 0W2
+rank 1: 1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2
+"""
+
+
+def _custom(rank: int, world_size: int, path: str) -> None:
+    x = torch.randn(9, 8, dtype=torch.float64)
+    y = torch.randn(9, 8, dtype=torch.float64)
+    for checkpoint in ("never", "always"):
+        plain = tied_chain(2)
+        pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=balance(2), schedule=path,
+                                 num_microbatches=3, checkpoint=checkpoint, loss_fn=F.mse_loss)
+        assert [str(a) for a in pipe.program.compute_only()[rank]] == \
+            CUSTOM.strip().splitlines()[1 + rank].split(": ")[1].split()
+        check_step(pipe, plain, x, y, f"custom schedule from {path}, {checkpoint}:")
+
+
+def test_custom_schedule_file_trains_like_plain(tmp_path: Path) -> None:
+    path = tmp_path / "custom.txt"
+    path.write_text(CUSTOM)
+    run_ranks(_custom, tmp_path, world_size=2, timeout_s=120, path=str(path))
 
 
 def batch_norm_model() -> nn.Sequential:
