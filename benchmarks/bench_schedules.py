@@ -50,6 +50,14 @@ from conveyor.schedule import layout_of
 
 RANKS = 2
 
+ALLOCATORS = {
+    "default": {},
+    # glibc keeps freed memory for reuse instead of returning it to the system at once: a
+    # split backward holds the graph from I to W, and otherwise pays page faults for it
+    "tuned": {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",
+              "MALLOC_TOP_PAD_": "268435456"},
+}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -205,22 +213,31 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(c.name for c in CASES))
     parser.add_argument("--repeats", type=int, default=5, help="alternating blocks of steps")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--allocators", default="default,tuned",
+                        help=f"glibc malloc settings to run under, of {sorted(ALLOCATORS)}")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     args = parser.parse_args()
     args.schedules = args.schedules.split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=RANKS)
-        results = torch.load(out)
-    markdown = render(args, results)
-    print(markdown)
+    tables = []
+    for allocator in args.allocators.split(","):
+        saved = dict(os.environ)
+        os.environ.update(ALLOCATORS[allocator])  # read by each worker's malloc at start
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "results.pt")
+                mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=RANKS)
+                results = torch.load(out)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        tables.append(table(args, results, allocator))
+        print(tables[-1], flush=True)
+    markdown = "\n\n".join([header(args), *tables])
     if not args.no_write:
         write_section("schedules", markdown)
 
 
-def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
-    times, memory = results["times"], results["memory"]
-    median = {label: statistics.median(values) for label, values in times.items()}
+def header(args: argparse.Namespace) -> str:
     b, m = args.batch, args.microbatches
     lines = [
         "## Schedules: conveyor vs torch.distributed.pipelining",
@@ -239,7 +256,20 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
         "",
         f"Command: `python benchmarks/bench_schedules.py` on {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}; other work may have been "
-        "running on the machine.",
+        "running on the machine. Each table is one run of both implementations under one "
+        "glibc malloc setting: `default`, or `tuned` ("
+        + ", ".join(f"{k}={v}" for k, v in ALLOCATORS["tuned"].items()) + "), which keeps "
+        "freed memory for reuse; a split backward holds each stage's graph from I to W and "
+        "otherwise pays page faults for it.",
+    ]
+    return "\n".join(lines)
+
+
+def table(args: argparse.Namespace, results: dict[str, Any], allocator: str) -> str:
+    times, memory = results["times"], results["memory"]
+    median = {label: statistics.median(values) for label, values in times.items()}
+    lines = [
+        f"### malloc: {allocator}",
         "",
         "| schedule | conveyor step (ms) | torch step (ms) | conveyor / torch time "
         "| conveyor peak saved, rank 0 / 1 (MB) | torch peak saved (MB) "
@@ -263,7 +293,8 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
         lines.append(row)
     if "conveyor zb-h1" in median and "conveyor 1f1b" in median:
         ratio = median["conveyor zb-h1"] / median["conveyor 1f1b"]
-        lines += ["", f"ZB-H1 / 1F1B step time (conveyor, same 2 stages): {ratio:.3f}."]
+        lines += ["", f"ZB-H1 / 1F1B step time (conveyor, same 2 stages, malloc {allocator}): "
+                      f"{ratio:.3f}."]
     return "\n".join(lines)
 
 

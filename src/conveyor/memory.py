@@ -69,10 +69,15 @@ class LiveSavedTensors:
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.device.type == "meta":
             return tensor
-        pointer = tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
         if pointer in self.excluded:
             return tensor
-        entry = self._live.setdefault(pointer, [tensor.untyped_storage().nbytes(), 0])
+        return self.track(tensor, pointer, storage.nbytes())
+
+    def track(self, tensor: torch.Tensor, pointer: int, nbytes: int) -> _Saved:
+        """``pack`` for a tensor whose storage the caller has looked up already."""
+        entry = self._live.setdefault(pointer, [nbytes, 0])
         if entry[1] == 0:
             self.bytes += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.bytes)
@@ -127,9 +132,18 @@ class ActivationMeter:
         """Count what autograd saves for backward while the body runs ``key``'s forward
         (nothing, and no key, under ``torch.no_grad``)."""
 
-        def pack(tensor: torch.Tensor) -> Any:
-            self._add(self._held.setdefault(key, {}), tensor)
-            return self.live.pack(tensor)
+        excluded, live = self.excluded, self.live
+
+        def pack(tensor: torch.Tensor) -> Any:  # hot: once per tensor autograd saves
+            if tensor.device.type == "meta":
+                return tensor
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer in excluded:
+                return tensor
+            nbytes = storage.nbytes()
+            self._held.setdefault(key, {})[pointer] = nbytes
+            return live.track(tensor, pointer, nbytes)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self.live.unpack):
             yield
