@@ -142,7 +142,8 @@ class Checkpointer:
         self._module = rank_module(pipe)
         _check_optimizer(optimizer, self._module)
         ranks = None if pipe.group is None else dist.get_process_group_ranks(pipe.group)
-        self._group = dist.new_group(ranks, backend="gloo",
+        # only the pipeline's ranks take part, so each pipeline of a larger job has its own
+        self._group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
                                      timeout=timedelta(seconds=config.timeout_s))
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)

@@ -71,7 +71,7 @@ def _problems(missing: list[str], differing: list[str], unused: list[str],
                                 (f" (and {len(differing) - _SHOWN} more)"
                                  if len(differing) > _SHOWN else "")))
     other = [k for k in missing if not k.startswith("model.")]
-    if other:
+    if other and not model_missing:  # else the optimizer misses those parameters' entries too
         problems.append(Problem(METADATA, f"{len(other)} entries this run restores are not in "
                                 f"the checkpoint, e.g. {other[:_SHOWN]}: it was saved without "
                                 "(or with another kind of) optimizer, scheduler or data loader"))

@@ -224,7 +224,8 @@ def raise_problems(path: Path, problems: list[Problem]) -> None:
     if not problems:
         return
     first = problems[0]
-    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    count = len(problems) - 1
+    more = f" (and {count} more problem{'s' if count > 1 else ''})" if count else ""
     raise CheckpointError(path, first.file, first.cause + more)
 
 
