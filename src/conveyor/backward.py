@@ -79,7 +79,9 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
             handle.remove()
     by_input = dict(zip(map(id, wanted), found, strict=True))
     grads = [by_input.get(id(x)) for x in inputs]
-    starts = [_Start(node, kept[node], pinned=True) for node in graph.frontier if node in kept]
+    # every frontier node reaches an input, so I ran it and its pre-hook kept its gradients
+    assert all(node in kept for node in graph.frontier), "a frontier node did not run in I"
+    starts = [_Start(node, kept[node], pinned=True) for node in graph.frontier]
     starts += [_Start(e.node, _one_hot(e, s), pinned=False) for e, s in zip(edges, seeds,
                strict=True) if e.node not in graph.input_nodes]
     return grads, WeightGrad(graph.group(starts))
