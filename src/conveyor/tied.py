@@ -136,6 +136,8 @@ class TiedWeights:
     def sum_gradients(self, before: Sequence[torch.Tensor | None]) -> None:
         """Add up what this step added to each tied gradient on all its ranks."""
         for (_, param, tie_group, _), old in zip(self.params, before, strict=True):
+            if not param.requires_grad:  # frozen: the same on every rank, nothing to add
+                continue
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             added = grad if old is None else grad - old
             dist.all_reduce(added, group=tie_group)
