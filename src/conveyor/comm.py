@@ -215,7 +215,28 @@ class P2P:
             raise PeerLostError(
                 f"rank {self.rank}: lost rank {peer} while {doing} (waited at most "
                 f"{self.timeout.total_seconds():.0f}s): {error}. Rank {peer} has likely "
-                "crashed or been killed; check its log.") from error
+                "crashed or been killed; check its log." + _first_loss(self.group, self.rank, peer)
+            ) from error
+
+
+# See Note [first lost rank]
+# When rank 2 of a chain 0-1-2 dies, rank 1 sees it at once, fails, and exits; rank 0 then
+# sees rank 1 go, and would name rank 1. So each rank that loses a peer records it in the
+# group's store (the rendezvous store, which outlives the ranks), and a rank that was not the
+# first to lose one adds the first report to its message: the rank that really failed.
+def _first_loss(group: dist.ProcessGroup | None, rank: int, peer: int) -> str:
+    """Record that ``rank`` lost ``peer``; return a sentence naming an earlier report, if any."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name = group.group_name if group is not None else "world"
+        mine = f"{rank}:{peer}"
+        first = store.compare_set(f"conveyor/lost/{name}", "", mine).decode()
+    except Exception:  # no store, or it went away too: the peer's own name must do
+        return ""
+    if first == mine:
+        return ""
+    reporter, lost = first.split(":")
+    return f" Rank {reporter} reported losing rank {lost} first."
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
