@@ -14,6 +14,8 @@ import argparse
 import json
 import logging
 import os
+import random
+import sys
 import tempfile
 from pathlib import Path
 
@@ -59,7 +61,7 @@ def main() -> None:
     directory = (args.checkpoint_dir or os.environ.get("CONVEYOR_CHECKPOINT_DIR")
                  or tempfile.mkdtemp(prefix="conveyor-ckpt-"))
 
-    torch.manual_seed(0)
+    _seed_everything(0)  # a deterministic run; resumes restore these generators' states
     model = gpt(seq_len=32, dim=32, num_layers=2)  # dropout 0.1: resumes reproduce it too
     pipe = conveyor.Pipeline(model, num_microbatches=args.microbatches, schedule=args.schedule,
                              loss_fn=gpt_loss)
@@ -90,6 +92,14 @@ def _log(path: Path | None, step: int, loss: float) -> None:
         with path.open("a") as log:  # one write per line: a killed run leaves whole lines
             log.write(json.dumps({"step": step, "loss": loss.hex(), "attempt": attempt()})
                       + "\n")
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")  # loaded by torch when installed
+    if numpy is not None:
+        numpy.random.seed(seed)
 
 
 def _init_process_group() -> None:

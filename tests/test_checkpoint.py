@@ -109,6 +109,9 @@ def assert_same(actual: Any, expected: Any) -> None:
     """Bitwise equality of nested tensors and values."""
     if isinstance(expected, torch.Tensor):
         assert torch.equal(actual, expected)
+    elif type(expected).__module__ == "numpy":  # numpy's generator state
+        assert type(actual) is type(expected) and actual.shape == expected.shape
+        assert (actual == expected).all()
     elif isinstance(expected, dict):
         assert actual.keys() == expected.keys()
         for key in expected:
@@ -529,3 +532,12 @@ def _bad(rank: int, world_size: int, root: str, source: str) -> None:
 def test_resume_skips_damaged_checkpoints_and_names_mismatches(saved: Path,
                                                                tmp_path: Path) -> None:
     run_ranks(_bad, tmp_path, 2, timeout_s=240, root=str(tmp_path), source=str(saved / "ckpt"))
+
+
+def test_loader_leaves_the_global_generator_alone() -> None:
+    state = torch.get_rng_state()
+    loader = ResumableLoader(TensorDataset(torch.arange(20)), batch_size=4, seed=1)
+    batches = loader.forever()
+    for _ in range(7):
+        next(batches)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import os
 import sys
 import tomllib
 import types
@@ -68,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
         "for --nproc-per-node (default 2); without a rendezvous endpoint the ranks run on this "
         "machine (--standalone). conveyor's own: --trace DIR records every Pipeline's timeline "
         "to DIR (render with conveyor trace DIR); --plan FILE runs every Pipeline with a plan "
-        "from conveyor plan --out FILE.",
+        "from conveyor plan --out FILE; --checkpoint-dir DIR is where every Checkpointer "
+        "saves and resumes from (with --max-restarts N, a lost rank restarts them all, and "
+        "they resume from the newest valid checkpoint).",
         usage="conveyor run [-n N] [torchrun options] script.py [script args]",
         prefix_chars="+", add_help=False)  # every token goes to torchrun's own parser
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER,
@@ -109,7 +112,27 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.torchrun_args or args.torchrun_args[0] in ("-h", "--help"):
         args.run_parser.print_help()
         return 0
-    return _torchrun(take_run_options(args.torchrun_args))
+    return _torchrun(take_run_options(_take_checkpoint_dir(args.torchrun_args)))
+
+
+def _take_checkpoint_dir(tokens: Sequence[str]) -> list[str]:
+    """Strip ``--checkpoint-dir DIR`` (before the script) and export it for every rank's
+    Checkpointer (conveyor.checkpoint); returns the other tokens."""
+    from conveyor.config import CHECKPOINT_DIR_ENV
+
+    rest, tokens = [], list(tokens)
+    while tokens:
+        token = tokens.pop(0)
+        name, _, value = token.partition("=")
+        if name == "--checkpoint-dir":
+            if not value and not tokens:
+                raise ValueError("--checkpoint-dir needs a value: --checkpoint-dir DIR")
+            os.environ[CHECKPOINT_DIR_ENV] = str(Path(value or tokens.pop(0)).resolve())
+            continue
+        rest.append(token)
+        if token.endswith(".py") or token in ("-m", "--module"):
+            return rest + tokens  # the script and its own arguments
+    return rest
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -151,6 +174,7 @@ _MULTI_NODE = ("--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_
 def _torchrun(arguments: list[str]) -> int:
     """Start ranks with torchrun (torch.distributed.run); this machine alone unless the
     arguments name a rendezvous."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     if not any(a.split("=")[0] in _MULTI_NODE for a in arguments):
@@ -163,9 +187,22 @@ def _torchrun(arguments: list[str]) -> int:
     if not launch.module and not Path(launch.training_script).is_file():
         raise FileNotFoundError(f"script {launch.training_script!r} not found; usage: conveyor "
                                 "run [-n N] [torchrun options] script.py [script args]")
+    if launch.max_restarts:
+        # a restarted group must not rendezvous through the store the lost one used: its stale
+        # addresses make gloo connect to dead ports (pytorch/pytorch#135712)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(launch)  # type: ignore[no-untyped-call]  # torchrun's entry point is untyped
-    except Exception as error:  # torchrun's ChildFailedError already printed each rank's error
+    except ChildFailedError as error:  # each rank's own error is printed above
+        rank, failure = error.get_first_failure()
+        cause = failure.signal_name() if failure.exitcode < 0 else "an exception, see above"
+        restarts = (f"after {launch.max_restarts} restarts" if launch.max_restarts
+                    else "no restarts: pass --max-restarts N (and save with a Checkpointer) "
+                    "to resume")
+        logger.error("rank %d (local rank %d) failed first: exit code %d (%s); %s", rank,
+                     failure.local_rank, failure.exitcode, cause, restarts)
+        return 1
+    except Exception as error:
         logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)
         return 1
     return 0

@@ -20,9 +20,13 @@ def epoch_order(num_samples: int, epoch: int, seed: int = 0, shuffle: bool = Tru
     before or after a restart, computes the same order without shared random state."""
     if not shuffle:
         return list(range(num_samples))
-    digest = hashlib.blake2b(f"data:{seed}:{epoch}".encode(), digest_size=8).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    generator = torch.Generator().manual_seed(_seed("data", seed, epoch))
     return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def _seed(purpose: str, seed: int, epoch: int) -> int:
+    digest = hashlib.blake2b(f"{purpose}:{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class ResumableLoader:
@@ -81,8 +85,12 @@ class ResumableLoader:
         """The rest of the current epoch, from the current position."""
         epoch, start = self.epoch, self.batch_index
         batches = self.batches(epoch)
+        # its own generator: the loader seeds its workers without drawing from the global
+        # generator, whose state a checkpoint restores (a resumed epoch would draw twice)
+        generator = torch.Generator().manual_seed(_seed("workers", self.seed, epoch))
         loader = DataLoader(self.dataset, batch_sampler=_Fixed(batches[start:]),
-                            collate_fn=self.collate_fn, num_workers=self.num_workers)
+                            collate_fn=self.collate_fn, num_workers=self.num_workers,
+                            generator=generator)
         for index, batch in enumerate(loader, start=start + 1):
             # count the batch as used before handing it out: a save after this step records it
             if index == len(batches):
