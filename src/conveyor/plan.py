@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from torch import nn
 
-from conveyor.graph import StageGraph, place
+from conveyor.graph import MODEL_OUTPUT, StageGraph, place
 from conveyor.profile import (
     Profile,
     UnitStats,
@@ -171,6 +171,8 @@ class PlanReport:
     """Schedules or settings the search skipped, and why."""
     sequential_children: list[str] | None = None
     """Names of the model's layers when the units are exactly an nn.Sequential's children."""
+    pruned: int = 0
+    """Candidates not simulated: their lower bound could not make the top plans."""
 
     @property
     def best(self) -> Plan:
@@ -262,7 +264,8 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
          profile: Profile | None = None, schedules: Sequence[str] | None = None,
          microbatches: Sequence[int] | None = None,
          objectives: Sequence[Objective] = ("time", "memory", "both", "even"),
-         checkpointing: bool = True) -> PlanReport:
+         checkpointing: bool = True, keep: int = 10,
+         time_budget_s: float | None = 50.0) -> PlanReport:
     """Search splits, schedules, micro-batch counts and checkpointing; simulate each candidate.
 
     Args:
@@ -271,9 +274,15 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
         memory_budget: bytes per rank for parameters, gradients, optimizer state and
             activations.
         schedules: names from ``SCHEDULES`` (default: every one).
-        microbatches: micro-batch counts to try (default: the divisors of ``batch_size`` up
-            to 8 x the stages).
+        microbatches: micro-batch counts to try (default: the divisors of ``batch_size`` from
+            the number of ranks up to 8 x the stages).
         checkpointing: also consider activation checkpointing per stage.
+        keep: candidates are simulated fastest lower bound first, and once ``keep`` plans
+            that fit are known, a candidate whose lower bound (its busiest rank's compute) is
+            slower than all of them is not simulated: the top ``keep`` stay exact.
+        time_budget_s: preparing candidates (smaller micro-batch counts first) stops after
+            half of this, simulating them (lowest bound first) after all of it once a plan
+            that fits is known; what was skipped is listed in ``notes``. None: no limit.
 
     Raises:
         ValueError: a bad rank count or batch size, a profile that does not match the
@@ -295,25 +304,56 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
     profile, children = _profile_for(workload, profile, num_ranks, batch_size, counts,
                                      max(layout_of(n).virtual_stages for n in names))
     search = _Search(profile, num_ranks, memory_budget, batch_size, checkpointing)
-    plans: list[Plan] = []
+    pending: list[_Candidate] = []
     notes: list[str] = []
-    for name in names:
-        for m in counts:
-            try:
-                plans += search.candidates(name, m, objectives)
-            except (ValueError, DeadlockError) as error:
-                note = f"{name} with {m} micro-batches: {error}"
-                notes.append(note.splitlines()[0])
+    # cheapest first: some schedules take far longer to build than others (list schedules
+    # over a graph), so a probe on a small pipeline orders them
+    probe = {name: _build_time(name, min(num_ranks, 8)) for name in names}
+    for m, name in sorted(((m, n) for m in counts for n in names),
+                          key=lambda pair: (probe[pair[1]] * pair[0], pair[0])):
+        if time_budget_s is not None and time.perf_counter() - start > time_budget_s / 2:
+            notes.append(f"{name} with {m} micro-batches: not tried, the search used its "
+                         f"time budget ({time_budget_s:.0f} s)")
+            continue
+        pending += _attempt(search, name, m, objectives, notes)
+    if not pending:
+        raise ValueError(f"no configuration could be placed on {num_ranks} ranks: " +
+                         "; ".join(notes[:4]))
+    deadline = None if time_budget_s is None else start + time_budget_s
+    plans, pruned = search.simulate_best(_dedupe(pending), keep, deadline)
+    notes += search.notes
     if not plans:
         raise ValueError(f"no configuration could be placed on {num_ranks} ranks: " +
                          "; ".join(notes[:4]))
-    plans = _dedupe(plans)
     plans.sort(key=lambda p: (not p.fits, p.step_time, max(p.total_memory)))
     report = PlanReport(plans, profile, num_ranks, memory_budget, batch_size,
-                        time.perf_counter() - start, _unique(notes), children)
-    logger.info("planned %s for %d ranks: %d plans simulated in %.1f s", profile.model,
-                num_ranks, len(plans), report.elapsed_s)
+                        time.perf_counter() - start, _unique(notes), children, pruned)
+    logger.info("planned %s for %d ranks: %d plans simulated (%d pruned by their bound) in "
+                "%.1f s", profile.model, num_ranks, len(plans), pruned, report.elapsed_s)
     return report
+
+
+def _build_time(name: str, num_ranks: int) -> float:
+    """Seconds a schedule takes to build a small pipeline's program (0 if it cannot)."""
+    from conveyor.graph import chain
+
+    num_stages, placement = schedule_layout(name, num_ranks)
+    began = time.perf_counter()
+    try:
+        SCHEDULES[name](chain(num_stages, placement=placement), 2 * num_ranks)
+    except ValueError:
+        return 0.0
+    return time.perf_counter() - began
+
+
+def _attempt(search: _Search, name: str, m: int, objectives: Sequence[Objective],
+             notes: list[str]) -> list[_Candidate]:
+    """Candidates of one schedule and micro-batch count; a note if it cannot run here."""
+    try:
+        return search.candidates(name, m, objectives)
+    except (ValueError, DeadlockError) as error:
+        notes.append(f"{name} with {m} micro-batches: {error}".splitlines()[0])
+        return []
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -324,12 +364,25 @@ def _unique(items: list[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def _dedupe(plans: list[Plan]) -> list[Plan]:
-    seen: dict[tuple[Any, ...], Plan] = {}
-    for p in plans:
-        key = (p.schedule, p.num_microbatches, p.stage_units, p.checkpoint)
-        seen.setdefault(key, p)
+def _dedupe(candidates: list[_Candidate]) -> list[_Candidate]:
+    seen: dict[tuple[Any, ...], _Candidate] = {}
+    for c in candidates:
+        seen.setdefault((c.schedule, c.m, c.cuts, c.modes), c)
     return list(seen.values())
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A configuration to simulate, with a lower bound on its step time."""
+
+    schedule: str
+    m: int
+    cuts: tuple[tuple[int, ...], ...]
+    placement: tuple[int, ...]
+    modes: tuple[CheckpointMode, ...]
+    objective: Objective
+    bound: float
+    """The busiest rank's compute: no schedule finishes sooner."""
 
 
 def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
@@ -350,7 +403,9 @@ def _counts(batch_size: int, num_ranks: int, names: Sequence[str],
             microbatches: Sequence[int] | None) -> list[int]:
     if microbatches is not None:
         return list(microbatches)
-    return _divisors(batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
+    counts = _divisors(batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
+    enough = [m for m in counts if m >= num_ranks]  # fewer than one per rank idles ranks
+    return enough or counts
 
 
 def _sizes(batch_size: int, counts: Sequence[int]) -> list[int]:
@@ -410,10 +465,21 @@ class _Search:
         self.batch_size = batch_size
         self.modes: tuple[CheckpointMode, ...] = _MODES if checkpointing else ("never",)
         self.num_units = profile.num_units
-        self.can_start = np.array([a == 0 or bool(profile.units[a].target)
-                                   for a in range(self.num_units)] + [False])
+        self.can_start = _cut_points(profile, num_ranks)
+        self.notes: list[str] = []
+        self._programs: dict[tuple[Any, ...], Program] = {}
 
-    def candidates(self, schedule: str, m: int, objectives: Sequence[Objective]) -> list[Plan]:
+    def _program(self, schedule: str, graph: StageGraph, m: int) -> Program:
+        """A schedule's Program, made once per shape: it depends only on which stages feed
+        which and where they sit, not on what the stages compute."""
+        key = (schedule, m, tuple((s.rank, tuple(graph.producers(s.index)),
+                                   MODEL_OUTPUT in s.outputs) for s in graph.stages))
+        if key not in self._programs:
+            self._programs[key] = SCHEDULES[schedule](graph, m)
+        return self._programs[key]
+
+    def candidates(self, schedule: str, m: int,
+                   objectives: Sequence[Objective]) -> list[_Candidate]:
         num_stages, placement = schedule_layout(schedule, self.num_ranks)
         if num_stages > int(self.can_start.sum()):
             raise ValueError(f"needs {num_stages} stages but the model has only "
@@ -421,7 +487,7 @@ class _Search:
         from conveyor.graph import chain
 
         shape = chain(num_stages, placement=placement)
-        program = SCHEDULES[schedule](shape, m)  # raises ValueError if it cannot run here
+        program = self._program(schedule, shape, m)  # ValueError if it cannot run here
         inflight = _inflight(program, num_stages)
         costs = _StageCosts(self.profile, self.batch_size / m, m, self.batch_size)
         per_rank = num_stages // self.num_ranks
@@ -437,8 +503,52 @@ class _Search:
                 splits.setdefault(cuts, "memory")
         for cuts, objective in splits.items():
             for modes in self._checkpointing(costs, cuts, inflight, per_rank):
-                plans.append(self._simulate(schedule, m, cuts, placement, modes, objective))
+                plans.append(_Candidate(schedule, m, cuts, tuple(placement), modes, objective,
+                                        self._bound(m, cuts, placement, modes)))
         return plans
+
+    def _bound(self, m: int, cuts: tuple[tuple[int, ...], ...], placement: list[int],
+               modes: tuple[CheckpointMode, ...]) -> float:
+        """The busiest rank's compute over the step, as the simulator charges it."""
+        graph, units = layout(self.profile, [list(c) for c in cuts], placement)
+        cost = ProfileCost(self.profile, graph, units, self.batch_size / m, m, list(modes))
+        work = [0.0] * self.num_ranks
+        for s in range(graph.num_stages):
+            work[placement[s]] += cost.stage_work(s)
+        return max(work) + self.profile.overheads.step
+
+    def simulate_best(self, candidates: list[_Candidate], keep: int,
+                      deadline: float | None) -> tuple[list[Plan], int]:
+        """Simulate candidates by increasing bound until ``keep`` fitting plans beat the rest
+        (or the deadline passes with one that fits); equal programs (two schedules that agree
+        on this layout) are simulated once."""
+        plans: list[Plan] = []
+        fitting: list[float] = []
+        seen: dict[tuple[Any, ...], Plan] = {}
+        ordered = sorted(candidates, key=lambda c: c.bound)
+        for index, c in enumerate(ordered):
+            if len(fitting) >= keep and c.bound > sorted(fitting)[keep - 1]:
+                return plans, len(ordered) - index
+            if fitting and deadline is not None and time.perf_counter() > deadline:
+                self.notes.append(f"{len(ordered) - index} candidates with larger lower bounds "
+                                  "were not simulated: the search used its time budget")
+                return plans, len(ordered) - index
+            graph, units = layout(self.profile, [list(u) for u in c.cuts], list(c.placement))
+            try:
+                program = self._program(c.schedule, graph, c.m)
+            except ValueError as error:  # e.g. a split whose skip connections make a graph
+                self.notes.append(f"{c.schedule} with {c.m} micro-batches, stages of "
+                                  f"{[len(u) for u in c.cuts]} units: {error}")
+                continue
+            key = (program.ranks, c.cuts, c.modes)
+            if key in seen:
+                plan_ = replace(seen[key], schedule=c.schedule, balanced_by=c.objective)
+            else:
+                plan_ = seen[key] = self._simulate(c, graph, units, program)
+            plans.append(plan_)
+            if plan_.fits:
+                fitting.append(plan_.step_time)
+        return plans, 0
 
     def _split(self, costs: _StageCosts, objective: Objective, inflight: list[int],
                num_stages: int, per_rank: int, only: CheckpointMode | None = None
@@ -488,17 +598,31 @@ class _Search:
             options.append(tuple("always" for _ in cuts))
         return list(dict.fromkeys(options))
 
-    def _simulate(self, schedule: str, m: int, cuts: tuple[tuple[int, ...], ...],
-                  placement: list[int], modes: tuple[CheckpointMode, ...],
-                  objective: Objective) -> Plan:
-        graph, units = layout(self.profile, [list(c) for c in cuts], placement)
-        program = SCHEDULES[schedule](graph, m)
-        cost = ProfileCost(self.profile, graph, units, self.batch_size / m, m, list(modes))
+    def _simulate(self, c: _Candidate, graph: StageGraph, units: list[list[int]],
+                  program: Program) -> Plan:
+        cost = ProfileCost(self.profile, graph, units, self.batch_size / c.m, c.m, list(c.modes))
         prediction = predict(program, graph, cost, record=False)
         fits = all(total <= self.budget for total in prediction.total_memory)
-        return Plan(schedule, m, cuts, tuple(placement), modes, objective,
+        return Plan(c.schedule, c.m, c.cuts, c.placement, c.modes, c.objective,
                     prediction.step_time, prediction.bubble_fraction,
                     prediction.peak_activation, prediction.total_memory, fits, self.batch_size)
+
+
+def _cut_points(profile: Profile, num_ranks: int) -> np.ndarray:
+    """Where a stage may start: before a module call (a split point), and preferably where
+    one value alone crosses the cut, so that every split is a chain (which every schedule
+    runs); all module calls when the model has too few such places for the ranks."""
+    n = profile.num_units
+    last_user = [-1] * n
+    for u, unit in enumerate(profile.units):
+        for p in unit.inputs:
+            if p >= 0:
+                last_user[p] = max(last_user[p], u)
+    crossing = [sum(1 for u in range(a) if last_user[u] >= a) for a in range(n)]
+    modules = [a == 0 or bool(profile.units[a].target) for a in range(n)]
+    clean = [ok and (a == 0 or crossing[a] <= 1) for a, ok in enumerate(modules)]
+    chosen = clean if sum(clean) >= 2 * num_ranks else modules
+    return np.array([*chosen, False])
 
 
 def _even_starts(can_start: np.ndarray, num_stages: int) -> list[int] | None:

@@ -393,7 +393,12 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
             inputs, targets = workload.batch(size)
             env = _capture(model, graph, inputs)
             measure = _Timer(min_time_s, min_repeats)
-            stats[size] = tuple(_unit_stats(model, node, env, measure) for node in nodes)
+            measured: dict[str, UnitStats] = {}  # identical layers are measured once
+            for node in nodes:
+                key = _signature(model, node, env)
+                if key not in measured:
+                    measured[key] = _unit_stats(model, node, env, measure)
+            stats[size] = tuple(measured[_signature(model, node, env)] for node in nodes)
             output = env[next(n for n in graph.nodes if n.op == "output").args[0]]
             losses[size] = _loss_times(workload.loss_fn, output, targets, measure)
             bound = bind_inputs(model, inputs)
@@ -435,6 +440,21 @@ def _capture(model: nn.Module, graph: fx.Graph, inputs: Any) -> dict[fx.Node, An
             elif node.op != "output":
                 env[node] = _run_node(model, node, env)
     return env
+
+
+def _signature(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> str:
+    """What a node computes and on what shapes: nodes with equal signatures cost the same."""
+    def shape(value: Any) -> Any:
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: ("tensor", tuple(t.shape), t.dtype, t.requires_grad), value)
+
+    if node.op == "call_module":
+        module = model.get_submodule(str(node.target))
+        what = f"{type(module).__qualname__} {module!r} {module.training}"
+    else:
+        what = f"{node.op} {getattr(node.target, '__qualname__', node.target)}"
+    args = fx.node.map_arg((node.args, node.kwargs), lambda n: shape(env[n]))
+    return f"{what} {args!r}"
 
 
 class _Timer:

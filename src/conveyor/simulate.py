@@ -270,6 +270,7 @@ def layout(profile: Profile, stage_units: Sequence[Sequence[int]],
     stage_of = _stage_of(profile, units)
     names = [u.name for u in profile.units]
     output_unit = _output_unit(profile)
+    consumers = _consumers(profile)
     stages = []
     for index, members in enumerate(units):
         inputs: list[str] = []
@@ -283,7 +284,7 @@ def layout(profile: Profile, stage_units: Sequence[Sequence[int]],
                                          "stages must follow the model's order")
                     inputs.append(name)
         outputs = [names[u] for u in members
-                   if any(stage_of[c] != index for c in _consumers(profile)[u])]
+                   if any(stage_of[c] != index for c in consumers[u])]
         if output_unit in members:
             outputs.append(MODEL_OUTPUT)
         rank = index if placement is None else placement[index]
@@ -451,6 +452,14 @@ class ProfileCost:
         if self._is_recomputed(stage, microbatch):
             return self._recomputed[stage]
         return self._kept[stage]
+
+    def stage_work(self, stage: int) -> float:
+        """Seconds of compute a stage does in one step: every micro-batch's forward and
+        backward, recomputation included (split backward costs about the same)."""
+        overheads, m = self.profile.overheads, self.num_microbatches
+        redone = sum(self._is_recomputed(stage, k) for k in range(m))
+        return (m * (self._forward[stage] + self._backward[stage] + overheads.forward +
+                     overheads.backward) + redone * self._forward[stage])
 
     def activation_after_input(self, stage: int, microbatch: int) -> int:
         if self._is_recomputed(stage, microbatch):

@@ -1,0 +1,286 @@
+"""How accurate is the simulator? Predicted vs measured step time and peak activation memory
+on 2 gloo ranks, for every schedule and three models (a GPT, an unbalanced MLP, a two-tower
+graph model).
+
+    python benchmarks/bench_accuracy.py             # writes the 'accuracy' section of docs
+    python benchmarks/bench_accuracy.py --rounds 2  # quicker, noisier
+
+Protocol: both ranks profile the model at the same time (so each core is as busy as in the
+run), the profiles are averaged, and the runtime's overheads and the link are measured; then
+every configuration runs, interleaved round by round, each step started after a barrier and
+timed from the first rank's start to the last rank's end on the shared monotonic clock. The
+measured step time is the median; the peak activation memory is the runtime meter's
+(``Pipeline.memory()``). Predictions come from ``conveyor.simulate.predict`` with the averaged
+profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_section
+
+from conveyor import Pipeline
+from conveyor.graph import place
+from conveyor.profile import (
+    Profile,
+    Workload,
+    measure_link,
+    measure_overheads,
+    profile_model,
+)
+from conveyor.schedule import SCHEDULES, build_program, layout_of
+from conveyor.simulate import ProfileCost, layout, predict
+from conveyor.split import even_balance
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model of the benchmark: how to build it and its batches, and its stage layouts."""
+
+    name: str
+    workload: Callable[[], Workload]
+    batch_size: int
+    layouts: Callable[[str, int], list[tuple[list[list[int]], list[int]]]]
+    """(schedule, number of units) -> [(units of each stage, rank of each stage), ...]."""
+
+
+def _gpt() -> Workload:
+    from conveyor.models import gpt, gpt_loss, text_batches
+
+    torch.manual_seed(0)
+    return Workload("gpt", gpt(seq_len=64, dim=128, num_layers=6, dropout=0.0),
+                    lambda n: text_batches(n, 64, 1)[0], gpt_loss)
+
+
+def _unbalanced() -> Workload:
+    from conveyor.models.unbalanced import mse, regression_batch, unbalanced_mlp
+
+    torch.manual_seed(0)
+    return Workload("unbalanced", unbalanced_mlp(), regression_batch, mse)
+
+
+def _two_tower() -> Workload:
+    from conveyor.models import classification_loss, multimodal_batches, two_tower
+
+    torch.manual_seed(0)
+    return Workload("two-tower", two_tower(dim=128, text_layers=4, image_layers=4),
+                    lambda n: multimodal_batches(n, 1)[0], classification_loss)
+
+
+def _chain_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]], list[int]]]:
+    """The schedule's layout on 2 ranks with the Pipeline's default even split."""
+    wanted = layout_of(schedule)
+    num_stages = 2 * wanted.virtual_stages
+    balance = even_balance(num_units, num_stages)
+    starts = [sum(balance[:i]) for i in range(num_stages)]
+    units = [list(range(a, a + b)) for a, b in zip(starts, balance, strict=True)]
+    return [(units, place(num_stages, 2, wanted.placement))]
+
+
+def _tower_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]], list[int]]]:
+    """Text | image + head on two ranks (the towers run side by side); for the graph schedules
+    also text | image | head with the head beside the image tower."""
+    if layout_of(schedule).virtual_stages > 1:
+        return []  # 3 layers cannot make 2 stages per rank
+    found = [([[0], [1, 2]], [0, 1])]
+    if schedule.startswith("graph-"):
+        found.append(([[0], [1], [2]], [0, 1, 1]))
+    return found
+
+
+MODELS = [
+    Model("gpt", _gpt, 32, _chain_layouts),
+    Model("unbalanced", _unbalanced, 32, _chain_layouts),
+    Model("two-tower", _two_tower, 32, _tower_layouts),
+]
+MICROBATCHES = (4, 8)
+
+
+# -- the two ranks -----------------------------------------------------------------------------
+
+
+def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        overheads, link = measure_overheads(), measure_link()
+        results = []
+        for model in MODELS:
+            results += _measure_model(model, rank, rounds, steps, overheads, link)
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
+                   link: Any) -> list[dict[str, Any]]:
+    workload = model.workload()
+    sizes = sorted({model.batch_size // m for m in MICROBATCHES})
+    profile = _profile_on_both(workload, sizes)
+    profile = replace(profile, overheads=overheads, link=link)
+    configs = []
+    for name in SCHEDULES:
+        for units, placement in model.layouts(name, profile.num_units):
+            for m in MICROBATCHES:
+                try:
+                    pipe = _pipeline(model, workload, name, units, placement, m)
+                except ValueError as error:  # the schedule cannot run this layout
+                    if rank == 0:
+                        print(f"skip {model.name} {name} {len(units)} stages: {error}",
+                              flush=True)
+                    continue
+                configs.append((name, units, placement, m, pipe))
+    inputs, targets = workload.batch(model.batch_size)
+    times: list[list[float]] = [[] for _ in configs]
+    for round_index in range(rounds + 1):  # round 0 warms up
+        for index, (*_, pipe) in enumerate(configs):
+            for _ in range(steps if round_index else 2):
+                dist.barrier()
+                start = time.perf_counter()
+                pipe.step(inputs, targets)
+                spans: list[Any] = [None, None]
+                dist.all_gather_object(spans, (start, time.perf_counter()))
+                if round_index:
+                    times[index].append(max(e for _, e in spans) - min(s for s, _ in spans))
+            if round_index == 0:
+                pipe.reset_memory()
+    results = []
+    for (name, units, placement, m, pipe), measured in zip(configs, times, strict=True):
+        peaks: list[Any] = [None, None]
+        dist.all_gather_object(peaks, pipe.memory().peak_bytes)
+        graph, stage_units = layout(profile, units, placement)
+        cost = ProfileCost(profile, graph, stage_units, model.batch_size / m, m)
+        prediction = predict(build_program(name, graph, m), graph, cost, record=False)
+        results.append({
+            "model": model.name, "schedule": name, "stages": len(units), "microbatches": m,
+            "measured_s": statistics.median(measured), "predicted_s": prediction.step_time,
+            "measured_peak": peaks, "predicted_peak": list(prediction.peak_activation)})
+        if rank == 0:
+            print(f"{model.name:<11}{name:<17}{len(units)} stages m={m}: measured "
+                  f"{results[-1]['measured_s'] * 1e3:7.2f} ms, predicted "
+                  f"{prediction.step_time * 1e3:7.2f} ms", flush=True)
+    return results
+
+
+def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[int]],
+              placement: list[int], m: int) -> Pipeline:
+    torch.manual_seed(0)
+    fresh = model.workload().model
+    options: dict[str, Any] = {"schedule": schedule, "num_microbatches": m,
+                               "placement": tuple(placement)}
+    if isinstance(fresh, torch.nn.Sequential):
+        options["balance"] = tuple(len(u) for u in units)
+    else:
+        from conveyor.profile import trace_units
+
+        targets = [u.target for u in trace_units(fresh)[2]]
+        options["stage_modules"] = tuple(",".join(targets[u] for u in stage) for stage in units)
+    return Pipeline(fresh, loss_fn=workload.loss_fn, **options)
+
+
+def _profile_on_both(workload: Workload, sizes: list[int]) -> Profile:
+    """Both ranks profile at once (each core busy, as in the run); the medians are averaged."""
+    dist.barrier()
+    profile = profile_model(workload, sizes, threads=None)
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, profile.to_dict())
+    mine, other = (Profile.from_dict(d) for d in gathered)
+    stats = {size: tuple(a.scaled(b, 0.5) for a, b in
+                         zip(mine.stats[size], other.stats[size], strict=True))
+             for size in mine.stats}
+    loss = {size: ((mine.loss[size][0] + other.loss[size][0]) / 2,
+                   (mine.loss[size][1] + other.loss[size][1]) / 2) for size in mine.loss}
+    return replace(mine, stats=stats, loss=loss)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def _markdown(results: list[dict[str, Any]], command: str, seconds: float,
+              load: tuple[float, float]) -> str:
+    rows = ["| model | schedule | stages | micro-batches | measured ms | predicted ms | error "
+            "| measured peak act. KiB (rank 0 / 1) | predicted KiB | error (max) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    time_errors, memory_errors = [], []
+    for r in results:
+        error = _error(r["predicted_s"], r["measured_s"])
+        memory = [_error(p, m) for p, m in zip(r["predicted_peak"], r["measured_peak"],
+                                                strict=True) if m]
+        worst = max(memory, key=abs) if memory else 0.0
+        time_errors.append(abs(error))
+        memory_errors += [abs(e) for e in memory]
+        rows.append(
+            f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['microbatches']} | "
+            f"{r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | {error:+.1%} | "
+            f"{' / '.join(f'{b / 1024:.0f}' for b in r['measured_peak'])} | "
+            f"{' / '.join(f'{b / 1024:.0f}' for b in r['predicted_peak'])} | {worst:+.1%} |")
+    within = sum(e <= 0.10 for e in time_errors)
+    return "\n".join([
+        "## Simulator accuracy (predicted vs measured)",
+        "",
+        f"Command: `{command}` ({seconds / 60:.1f} min). Machine: 2 CPU cores, 2 ranks on gloo, "
+        f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
+        "(other work may have been running). Each model is profiled on both ranks at once and "
+        "the two profiles averaged; runtime overheads and the link are measured on the same "
+        "two ranks. Each configuration runs interleaved with the others, every step after a "
+        "barrier, timed from the first rank's start to the last rank's end (median of all "
+        "rounds); peak activation memory is the runtime meter's.",
+        "",
+        f"**Step time: mean absolute percentage error {statistics.mean(time_errors):.1%}, "
+        f"{within} of {len(time_errors)} configurations within 10% (worst "
+        f"{max(time_errors):.1%}). Peak activation memory: MAPE "
+        f"{statistics.mean(memory_errors):.2%} over every rank (worst "
+        f"{max(memory_errors):.2%}).**",
+        "",
+        *rows,
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per round (default 4)")
+    parser.add_argument("--no-write", action="store_true", help="print, don't update docs")
+    args = parser.parse_args()
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory, "results.json")
+        mp.spawn(_worker, args=(str(Path(directory, "store")), str(out), args.rounds,
+                                args.steps), nprocs=2, join=True)
+        results = json.loads(out.read_text())
+    command = "python benchmarks/bench_accuracy.py" + (
+        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (
+        f" --steps {args.steps}" if args.steps != 4 else "")
+    markdown = _markdown(results, command, time.perf_counter() - started,
+                         (load, os.getloadavg()[0]))
+    print(markdown)
+    if not args.no_write:
+        write_section("accuracy", markdown)
+
+
+if __name__ == "__main__":
+    main()
