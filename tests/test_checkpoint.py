@@ -541,3 +541,41 @@ def test_loader_leaves_the_global_generator_alone() -> None:
     for _ in range(7):
         next(batches)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def tied_gpt() -> nn.Sequential:
+    """Embedding and output projection share one weight; on 2 ranks the tie spans them."""
+    torch.manual_seed(0)
+    return gpt(seq_len=SEQ, dim=16, num_layers=2, num_heads=2, dropout=0.1,
+               tie_embeddings=True)
+
+
+def _tied(rank: int, world_size: int, root: str) -> None:
+    base = Run(Path(root) / "base", model=tied_gpt(), keep=0)
+    expected = base.train(0, 6)
+    base.ckpt.close()
+    checkpoint = Path(root) / "base" / "step-00000004"
+    saved = model_state_dict(checkpoint)
+    assert torch.equal(saved["0.tokens.weight"], saved["3.out.weight"])  # both names, equal
+    alone = [dist.new_group([r]) for r in range(world_size)]  # one rank holds both users
+    one = Run(Path(root) / f"one-{rank}", model=tied_gpt(), group=alone[rank],
+              allow_reshard=True)
+    assert one.ckpt.load(checkpoint) == 4
+    assert_same(dict(one.pipe.state_dict()), saved)
+    # the tied gradient is now one sum over both users, not two sums added: close, not equal
+    torch.testing.assert_close(torch.tensor(one.train(4, 6)), torch.tensor(expected[4:]))
+    one.ckpt.close()
+    dist.barrier()
+    two = Run(Path(root) / "two", model=tied_gpt(), allow_reshard=True)
+    assert two.ckpt.load(Path(root) / "one-0" / "step-00000006") == 6  # split apart again
+    resplit = model_state_dict(Path(root) / "one-0" / "step-00000006")
+    assert_same(dict(two.pipe.state_dict()), {k: resplit[k] for k in two.pipe.state_dict()})
+    plain = tied_gpt()
+    load_model(checkpoint, plain)
+    assert_same(plain.state_dict(), saved)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_tied_weights_reshard_across_ranks(tmp_path: Path) -> None:
+    run_ranks(_tied, tmp_path, 2, timeout_s=240, root=str(tmp_path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,9 +111,17 @@ def _conveyor_run(tmp_path: Path, name: str, steps: int, fault_list: list[str],
     command = [sys.executable, "-m", "conveyor.cli", "run", "-n", "2", "--max-restarts",
                str(max_restarts), "--checkpoint-dir", str(directory), str(EXAMPLE),
                "--steps", str(steps), "--every", "2", "--loss-log", str(log)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=540,
-                            cwd=tmp_path)
-    return result, directory, log
+    # a session of its own, so a timeout stops torchrun's workers too, not only torchrun
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=tmp_path, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=500)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), \
+        directory, log
 
 
 def _losses(log: Path) -> list[dict[str, Any]]:

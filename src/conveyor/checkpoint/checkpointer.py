@@ -117,9 +117,11 @@ class Checkpointer:
         for step in range(start, num_steps): ...; ckpt.maybe_save(step + 1)
         ckpt.close()                            # waits for the last save
 
-    Create it on every rank of the pipeline (it creates a process group for checkpoint
-    traffic, so background writes never interleave with the pipeline's messages).
-    ``options`` are CheckpointConfig fields.
+    Create it on every rank of the pipeline: it creates a gloo process group of the
+    pipeline's ranks for checkpoint traffic, so background writes never interleave with the
+    pipeline's messages (with several pipelines in one job, create them in the same order on
+    every rank, as torch names process groups by count). ``options`` are CheckpointConfig
+    fields. Checkpoints are pickled objects as well as tensors: load only those you trust.
     """
 
     def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None, *,
@@ -156,6 +158,7 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-checkpoint")
         self._pending: Future[SaveRecord] | None = None
         self._sequence = 0
+        self._last_step: int | None = None
         self._closed = False
         self.saves: list[SaveRecord] = []
         """Every save of this Checkpointer, finished or not."""
@@ -168,8 +171,9 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------
 
     def maybe_save(self, step: int) -> bool:
-        """Save if ``step`` is a multiple of ``every``; returns whether it did."""
-        if step % self.config.every:
+        """Save if ``step`` is a multiple of ``every`` and not the step just saved or loaded;
+        returns whether it did."""
+        if step % self.config.every or step == self._last_step:
             return False
         self.save(step)
         return True
@@ -182,7 +186,7 @@ class Checkpointer:
         """
         self.wait()
         start = time.perf_counter()
-        self._progress.step = step
+        self._progress.step = self._last_step = step
         state = self._state()
         temporary = self.directory / f".tmp-{step_dir_name(step)}-{self._run_id}-{self._sequence}"
         self._sequence += 1
@@ -424,6 +428,7 @@ class Checkpointer:
                 self._optimizer.load_with_state = None
         if self.is_coordinator:
             logger.info("resumed from %s (step %d)", path, manifest.step)
+        self._last_step = manifest.step
         return manifest.step
 
     def _state_to_load(self, metadata: Metadata) -> dict[str, Any]:

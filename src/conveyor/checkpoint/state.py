@@ -109,11 +109,29 @@ class OptimizerState:
         self.load_with_state: bool | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        with_state = (bool(self.optimizer.state) if self.load_with_state is None
-                      else self.load_with_state)
+        saving = self.load_with_state is None
+        with_state = bool(self.optimizer.state) if saving else self.load_with_state
         if with_state:
-            return dict(get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT))
-        return self._hyperparameters()
+            state = dict(get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT))
+        else:
+            state = self._hyperparameters()
+        return self._with_aliases(state) if saving else state
+
+    def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Entries of a parameter known by several names (weights tied within this rank)
+        under every name, as the model's state_dict has them: a split that puts the users on
+        different ranks then finds each one's entries."""
+        names: dict[int, list[str]] = {}
+        for name, parameter in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), []).append(name)
+        aliases = {first: rest for first, *rest in names.values() if rest}
+        for key, value in list(state.items()):
+            section, _, rest = key.partition(".")
+            for first, others in aliases.items():
+                if rest.startswith(first + "."):
+                    for other in others:
+                        state[f"{section}.{other}{rest[len(first):]}"] = value
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if any(key.startswith("state.") for key in state):
