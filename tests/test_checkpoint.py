@@ -33,7 +33,14 @@ from conveyor.checkpoint.manifest import FileEntry, Manifest
 from conveyor.checkpoint.writer import Writer
 from conveyor.config import CheckpointConfig
 from conveyor.data import ResumableLoader, epoch_order
-from conveyor.models import char_ids, gpt, gpt_loss
+from conveyor.models import (
+    char_ids,
+    classification_loss,
+    gpt,
+    gpt_loss,
+    multimodal_batches,
+    two_tower,
+)
 from dist import run_ranks
 
 SEQ = 16
@@ -315,6 +322,9 @@ def _resume(rank: int, world_size: int, root: str) -> None:
             expected = reference.train(0, 8)
             expected_state = reference.state()
             reference.ckpt.close()
+            published = [step for step, _ in list_checkpoints(directory / "reference")]
+            assert published == [8, 6, 4]  # every=2, keep=3: older ones deleted
+            assert all(p.name.startswith("step-") for p in (directory / "reference").iterdir())
 
             first = Run(directory / "run", **options)
             assert first.train(0, 5) == expected[:5]  # saved at 2 and 4, lost after 5
@@ -579,3 +589,54 @@ def _tied(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.timeout(300)
 def test_tied_weights_reshard_across_ranks(tmp_path: Path) -> None:
     run_ranks(_tied, tmp_path, 2, timeout_s=240, root=str(tmp_path))
+
+
+# -- a graph pipeline (DAG): two towers joined by a head ----------------------------------
+
+
+def _towers(directory: Path, schedule: str) -> tuple[conveyor.Pipeline, Any, Checkpointer]:
+    torch.manual_seed(0)
+    model = two_tower(vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dim=8,
+                      text_layers=2, image_layers=1, num_heads=2, dropout=0.1)
+    pipe = conveyor.Pipeline(model, stage_modules=("text", "image", "head"),
+                             placement=(0, 1, 1), schedule=schedule, num_microbatches=3,
+                             loss_fn=classification_loss)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    return pipe, optimizer, Checkpointer(pipe, optimizer, directory=str(directory), every=2)
+
+
+def _dag_resume(rank: int, world_size: int, root: str) -> None:
+    batches = multimodal_batches(6, 8, vocab_size=16, seq_len=6, num_patches=4, patch_dim=6)
+
+    def train(run: tuple[conveyor.Pipeline, Any, Checkpointer], first: int,
+              last: int) -> list[float]:
+        pipe, optimizer, ckpt = run
+        losses = []
+        for step in range(first + 1, last + 1):
+            loss = pipe.step(*batches[step - 1])
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(None if loss is None else loss.item())
+            ckpt.maybe_save(step)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, losses)
+        return [value for rank_losses in gathered for value in rank_losses if value is not None]
+
+    for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):  # tower B and the head: rank 1
+        reference = _towers(Path(root) / schedule / "reference", schedule)
+        expected = train(reference, 0, 6)
+        first = _towers(Path(root) / schedule / "run", schedule)
+        assert train(first, 0, 5) == expected[:5]
+        first[2].close()
+        second = _towers(Path(root) / schedule / "run", schedule)
+        assert second[2].resume_latest() == 4
+        assert train(second, 4, 6) == expected[4:], schedule
+        assert_same(dict(second[0].state_dict()), dict(reference[0].state_dict()))
+        for run in (reference, second):
+            run[2].close()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_graph_pipeline_resumes_bitwise(tmp_path: Path) -> None:
+    run_ranks(_dag_resume, tmp_path, 2, timeout_s=240, root=str(tmp_path))
