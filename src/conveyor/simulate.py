@@ -442,8 +442,12 @@ class ProfileCost:
         return 0.0 if link is None else link.transfer(self.message_bytes(action))
 
     def overhead(self, action: Action) -> float:
-        overheads = self.profile.overheads
-        return overheads.send if action.kind.is_send else overheads.recv
+        overheads, link = self.profile.overheads, self.profile.link
+        if action.kind.is_send:
+            per_byte = 0.0 if link is None else link.send_per_byte
+            return overheads.send + per_byte * self.message_bytes(action)
+        per_byte = 0.0 if link is None else link.recv_per_byte
+        return overheads.recv + per_byte * self.message_bytes(action)
 
     def wait(self, action: Action) -> float:
         return self.profile.overheads.wait

@@ -1,0 +1,200 @@
+"""Is the planner's choice good? Measured on 2 gloo ranks against a grid of hand
+configurations (every schedule x micro-batch counts x an even split), side by side, for three
+models; and how long planning a 48-layer model for 64 ranks takes.
+
+    python benchmarks/bench_plan.py          # writes the 'plan' section of docs/benchmarks.md
+
+Both ranks profile each model at once (see bench_accuracy.py), the planner plans with that
+profile (memory budget 1 GiB per rank, so memory does not decide), then the plan and every
+grid configuration run interleaved, round by round, every step after a barrier, timed from
+the first rank's start to the last rank's end; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_accuracy import MODELS, Model, _profile_on_both
+from report import write_section
+
+from conveyor import Pipeline
+from conveyor.models.unbalanced import MLPBlock, mse, regression_batch
+from conveyor.plan import plan
+from conveyor.profile import Workload, measure_link, measure_overheads, trace_units
+from conveyor.schedule import SCHEDULES, layout_of
+
+BUDGET = 1 << 30
+GRID = (2, 4, 8, 16)
+
+
+def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    try:
+        overheads, link = measure_overheads(), measure_link()
+        results = [_compare(model, rank, rounds, steps, overheads, link) for model in MODELS]
+        if rank == 0:
+            Path(out).write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
+             link: Any) -> dict[str, Any]:
+    workload = model.workload()
+    sizes = sorted({model.batch_size // m for m in GRID})
+    profile = _profile_on_both(workload, sizes)
+    profile.overheads, profile.link = overheads, link
+    report = plan(workload, 2, BUDGET, model.batch_size, profile=profile, microbatches=GRID)
+    chosen = report.pipeline_config()
+    configs: list[tuple[str, dict[str, Any]]] = [("plan", chosen)]
+    for name in SCHEDULES:
+        for m in GRID:
+            configs.append((f"{name} m={m}", _even(model, workload.model, name, m)))
+    pipes = []
+    for label, fields in configs:
+        try:
+            torch.manual_seed(0)
+            options = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+            pipes.append((label, fields, Pipeline(model.workload().model,
+                                                  loss_fn=workload.loss_fn, **options)))
+        except ValueError as error:  # a schedule that cannot run this model's even split
+            if rank == 0:
+                print(f"skip {model.name} {label}: {str(error).splitlines()[0]}", flush=True)
+    inputs, targets = workload.batch(model.batch_size)
+    times: list[list[float]] = [[] for _ in pipes]
+    for round_index in range(rounds + 1):  # round 0 warms up
+        for index, (_, _, pipe) in enumerate(pipes):
+            for _ in range(steps if round_index else 2):
+                dist.barrier()
+                start = time.perf_counter()
+                pipe.step(inputs, targets)
+                spans: list[Any] = [None, None]
+                dist.all_gather_object(spans, (start, time.perf_counter()))
+                if round_index:
+                    times[index].append(max(e for _, e in spans) - min(s for s, _ in spans))
+    measured = {label: statistics.median(t) for (label, _, _), t in zip(pipes, times,
+                                                                          strict=True)}
+    if rank == 0:
+        print(model.name, json.dumps(measured), flush=True)
+    best = report.best
+    return {"model": model.name, "plan": chosen, "predicted_s": best.step_time,
+            "plan_units": [len(u) for u in best.stage_units], "measured": measured,
+            "fields": {label: fields for label, fields, _ in pipes},
+            "planning_s": report.elapsed_s}
+
+
+def _even(model: Model, module: nn.Module, schedule: str, m: int) -> dict[str, Any]:
+    """The Pipeline's own default for ``schedule``: an even split in its layout."""
+    fields: dict[str, Any] = {"schedule": schedule, "num_microbatches": m}
+    if not isinstance(module, nn.Sequential):  # cut before the middle layer
+        targets = [u.target for u in trace_units(module)[2] if u.target]
+        num_stages = 2 * layout_of(schedule).virtual_stages
+        fields["split_points"] = [targets[round(i * len(targets) / num_stages)]
+                                  for i in range(1, num_stages)]
+    return fields
+
+
+def _planning_speed() -> tuple[float, float, str]:
+    """Seconds to profile and to plan a 48-layer model (residual MLP blocks) for 64 ranks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(MLPBlock(64, 256) for _ in range(48)))
+    workload = Workload("mlp-48", model, lambda n: regression_batch(n, 64), mse)
+    began = time.perf_counter()
+    report = plan(workload, 64, BUDGET, 256)
+    total = time.perf_counter() - began
+    best = report.best
+    return total, report.elapsed_s, (f"{best.schedule}, {best.num_microbatches} micro-batches,"
+                                     f" {len(report.plans)} plans simulated, {report.pruned} "
+                                     "pruned by their bound")
+
+
+def _markdown(results: list[dict[str, Any]], speed: tuple[float, float, str], command: str,
+              minutes: float, load: tuple[float, float]) -> str:
+    lines = [
+        "## Plan quality (planner vs hand configurations, measured)",
+        "",
+        f"Command: `{command}` ({minutes:.1f} min). Machine: 2 CPU cores, 2 ranks on gloo, one "
+        f"torch thread each; load average {load[0]:.2f} before, {load[1]:.2f} after (other "
+        "work may have been running). The grid is every schedule x micro-batch counts "
+        f"{list(GRID)} x the Pipeline's even split; everything runs interleaved in one session "
+        "(medians of barrier-synchronised steps).",
+        "",
+        "| model | planner's choice | predicted ms | measured ms | best hand configuration "
+        "| its measured ms | plan vs best hand | even split, same schedule and m |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        measured = dict(r["measured"])
+        plan_ms = measured.pop("plan")
+        best_label = min(measured, key=measured.__getitem__)
+        fields = r["plan"]
+        same = f"{fields['schedule']} m={fields['num_microbatches']}"
+        split = fields.get("balance") or fields.get("split_points") or "even"
+        ckpt = fields.get("stage_checkpoint", "never")
+        same_ms = f"{measured[same] * 1e3:.1f}" if same in measured else "-"
+        lines.append(
+            f"| {r['model']} | {fields['schedule']}, m={fields['num_microbatches']}, split "
+            f"{split}, units {r['plan_units']}, checkpoint {ckpt} | "
+            f"{r['predicted_s'] * 1e3:.1f} | {plan_ms * 1e3:.1f} | {best_label} | "
+            f"{measured[best_label] * 1e3:.1f} | {plan_ms / measured[best_label] - 1:+.1%} | "
+            f"{same_ms} |")
+    lines += ["", "Every hand configuration, measured ms:", "",
+              "| model | " + " | ".join(f"m={m}" for m in GRID) + " |",
+              "|---|" + "---|" * len(GRID)]
+    for r in results:
+        for name in SCHEDULES:
+            cells = [r["measured"].get(f"{name} m={m}") for m in GRID]
+            if any(c is not None for c in cells):
+                lines.append(f"| {r['model']} {name} | " + " | ".join(
+                    "-" if c is None else f"{c * 1e3:.1f}" for c in cells) + " |")
+    total, search, what = speed
+    lines += ["", f"Planning a 48-layer model (residual MLP blocks of width 64, traced into "
+              f"240 layers: the model has fewer blocks than ranks) for 64 ranks, batch 256: "
+              f"{total:.1f} s in all, of which {search:.1f} s search after profiling "
+              f"({what}; search time budget 50 s)."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory, "results.json")
+        mp.spawn(_worker, args=(str(Path(directory, "store")), str(out), args.rounds,
+                                args.steps), nprocs=2, join=True)
+        results = json.loads(out.read_text())
+    speed = _planning_speed()
+    command = "python benchmarks/bench_plan.py" + (
+        f" --rounds {args.rounds}" if args.rounds != 4 else "") + (
+        f" --steps {args.steps}" if args.steps != 3 else "")
+    markdown = _markdown(results, speed, command, (time.perf_counter() - started) / 60,
+                         (load, os.getloadavg()[0]))
+    print(markdown)
+    if not args.no_write:
+        write_section("plan", markdown)
+
+
+if __name__ == "__main__":
+    main()
