@@ -266,3 +266,14 @@ def test_simulate_command_predicts_a_profiled_model(tmp_path: Path,
     with pytest.raises(SystemExit):
         main([*argv[:9], "--balance", "1", "1", "2"])
     assert "--balance has 3 stages" in capsys.readouterr().err
+
+
+def test_a_stage_holds_the_batch_of_the_model_inputs_it_takes_only() -> None:
+    units = (Unit("text", "text", (-1,), 0, 0), Unit("image", "image", (-2,), 0, 0),
+             Unit("head", "head", (0, 1), 0, 0))
+    stats = tuple(UnitStats(1, 2, 1, 1, 0, 8, (False,) * len(u.inputs), False, 8)
+                  for u in units)
+    profile = Profile("towers", units, {2: stats}, {2: (0.0, 0.0)}, 10 + 1000, (10, 1000))
+    graph, stage_units = layout(profile, [[0], [1, 2]])
+    cost = ProfileCost(profile, graph, stage_units, 2, 4)
+    assert (cost.resident_bytes(0), cost.resident_bytes(1)) == (10 * 8, 1000 * 8)

@@ -67,7 +67,7 @@ class Unit:
     target: str
     """The submodule's qualified name for a module call (a valid split point), else ''."""
     inputs: tuple[int, ...]
-    """Units whose outputs it consumes, in argument order; -1 for a model input."""
+    """Units whose outputs it consumes, in argument order; -1 - i for the model's i-th input."""
     param_bytes: int
     """Bytes of the parameters and buffers it owns (each counted at its first user)."""
     trainable_bytes: int
@@ -157,6 +157,8 @@ class Profile:
     """Per micro-batch size: the loss's forward and backward seconds."""
     input_bytes_per_sample: int
     """Bytes of the model inputs per sample (the last stage's targets not included)."""
+    model_input_bytes: tuple[int, ...] = ()
+    """Bytes per sample of each model input (forward's parameters, in order)."""
     overheads: Overheads = field(default_factory=Overheads)
     link: Link | None = None
     """None until measured between two ranks (``measure_link``); transfers are then free."""
@@ -229,6 +231,7 @@ class Profile:
             "stats": {str(k): [dataclasses.asdict(s) for s in v] for k, v in self.stats.items()},
             "loss": {str(k): list(v) for k, v in self.loss.items()},
             "input_bytes_per_sample": self.input_bytes_per_sample,
+            "model_input_bytes": list(self.model_input_bytes),
             "overheads": dataclasses.asdict(self.overheads),
             "link": None if self.link is None else dataclasses.asdict(self.link),
             "optimizer_state_per_param": self.optimizer_state_per_param,
@@ -250,6 +253,7 @@ class Profile:
             stats={int(k): tuple(stat(s) for s in v) for k, v in data["stats"].items()},
             loss={int(k): (float(v[0]), float(v[1])) for k, v in data["loss"].items()},
             input_bytes_per_sample=int(data["input_bytes_per_sample"]),
+            model_input_bytes=tuple(int(b) for b in data.get("model_input_bytes", ())),
             overheads=Overheads(**data.get("overheads", {})),
             link=None if data.get("link") is None else Link(**data["link"]),
             optimizer_state_per_param=float(data.get("optimizer_state_per_param", 2.0)),
@@ -318,11 +322,12 @@ def trace_units(model: nn.Module, depth: int = 1
     graph = trace(model, (), leaf=_leaf_at(depth))
     nodes = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(nodes)}
+    index.update({n: -1 - i for i, n in enumerate(n for n in graph.nodes
+                                                 if n.op == "placeholder")})
     seen: set[int] = set()
     units = []
     for node in nodes:
-        inputs = tuple(index.get(a, -1) for a in node.all_input_nodes
-                       if a.op != "get_attr")
+        inputs = tuple(index[a] for a in node.all_input_nodes if a.op != "get_attr")
         owned = _owned_tensors(model, node, graph)
         fresh = [(t, trainable) for t, trainable in owned if id(t) not in seen]
         seen.update(id(t) for t, _ in owned)
@@ -400,6 +405,7 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
     losses: dict[int, tuple[float, float]] = {}
     calibration: dict[int, tuple[float, float]] = {}
     per_sample = 0
+    per_input: tuple[int, ...] = ()
     with _threads(threads):
         model.train()
         for size in sorted(set(microbatch_sizes)):
@@ -419,11 +425,13 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
             stats[size] = tuple(_times_by(s, *factors) for s in units_alone)
             bound = bind_inputs(model, inputs)
             per_sample = _tree_bytes(bound) // size
+            per_input = tuple(_tree_bytes(bound.get(str(n.target))) // size
+                              for n in graph.nodes if n.op == "placeholder")
             _zero_grads(model)
             logger.info("profiled %s at micro-batch size %d: forward %.2f ms, backward %.2f ms",
                         workload.name, size, 1e3 * sum(s.forward for s in stats[size]),
                         1e3 * sum(s.backward for s in stats[size]))
-    return Profile(workload.name, units, stats, losses, per_sample, depth=depth,
+    return Profile(workload.name, units, stats, losses, per_sample, per_input, depth=depth,
                    calibration=calibration, environment=_environment(
                        threads if threads is not None else torch.get_num_threads()))
 

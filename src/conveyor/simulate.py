@@ -395,9 +395,13 @@ class ProfileCost:
             self._after_input.append(saved + weight_grads)
             # recomputed: checkpointing saves the stage's inputs (through autograd) for I
             self._after_input_recomputed.append(received + weight_grads)
-            takes_inputs = any(p < 0 for u in members for p in profile.units[u].inputs)
-            batch = round(profile.input_bytes_per_sample * microbatch_size * num_microbatches)
-            self._resident.append(batch if takes_inputs else 0)
+            # the runtime's micro-batches are views of the batch: a stage holds the whole batch
+            # of each model input it takes while any of its micro-batches is alive
+            taken = {-1 - p for u in members for p in profile.units[u].inputs if p < 0}
+            per_sample = (sum(profile.model_input_bytes[i] for i in taken)
+                          if len(profile.model_input_bytes) > max(taken, default=-1)
+                          else profile.input_bytes_per_sample if taken else 0)
+            self._resident.append(round(per_sample * microbatch_size * num_microbatches))
         self._edge_bytes: dict[tuple[int, int], int] = {}
         for u in range(profile.num_units):
             for d in {stage_of[c] for c in consumers[u] if stage_of[c] != stage_of[u]}:
