@@ -29,26 +29,21 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 from torch.distributed.checkpoint.state_dict_saver import save as save_state
 
 from conveyor import faults
-from conveyor.checkpoint.keys import check_keys
+from conveyor.checkpoint.compat import check_keys, check_layout
 from conveyor.checkpoint.manifest import (
     MANIFEST,
     METADATA,
     CheckpointError,
     Manifest,
-    Problem,
-    check_files,
-    check_metadata,
     file_entry,
     fsync_dir,
     list_checkpoints,
     raise_problems,
-    read_manifest,
     remove_dir,
     step_dir_name,
+    verify_on_ranks,
 )
 from conveyor.checkpoint.state import (
-    LAYOUT_FIELDS,
-    NUMERICS_FIELDS,
     ModelState,
     OptimizerState,
     Progress,
@@ -376,7 +371,7 @@ class Checkpointer:
         self.skipped = []
         for path in map(Path, found):
             try:
-                manifest = self._verify(path)
+                manifest = verify_on_ranks(path, self._group)
             except CheckpointError as error:
                 if self.is_coordinator:
                     logger.warning("skipping invalid checkpoint: %s", error)
@@ -404,7 +399,7 @@ class Checkpointer:
         """
         self.wait()
         checkpoint = Path(path).absolute()
-        manifest = self._verify(checkpoint)
+        manifest = verify_on_ranks(checkpoint, self._group)
         return self._load(
             checkpoint, manifest,
             self.config.allow_reshard if allow_reshard is None else allow_reshard,
@@ -413,7 +408,8 @@ class Checkpointer:
 
     def _load(self, path: Path, manifest: Manifest, allow_reshard: bool,
               allow_numerics_change: bool) -> int:
-        self._check_layout(path, manifest, allow_reshard, allow_numerics_change)
+        check_layout(path, manifest, describe_layout(self.pipe), allow_reshard,
+                     allow_numerics_change, log=self.is_coordinator)
         metadata = FileSystemReader(path).read_metadata()
         state = self._state_to_load(metadata)
         problems = check_keys(state, metadata, self._group)
@@ -445,51 +441,6 @@ class Checkpointer:
         self._random.source_rank = source
         self._random.keys = {k[len(prefix):] for k in keys if k.startswith(prefix)}
         return self._state()
-
-    def _check_layout(self, path: Path, manifest: Manifest, allow_reshard: bool,
-                      allow_numerics_change: bool) -> None:
-        saved, now = manifest.layout, describe_layout(self.pipe)
-        layout = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in LAYOUT_FIELDS
-                  if saved.get(f) != now[f]]
-        numerics = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in NUMERICS_FIELDS
-                    if saved.get(f) != now[f]]
-        if not layout and not numerics and saved.get("program_sha256") != now["program_sha256"]:
-            numerics.append("the schedule's program (same name, other actions)")
-        if layout and not allow_reshard:
-            raise CheckpointError(path, MANIFEST, "configuration mismatch: this run splits or "
-                                  f"places the model differently ({'; '.join(layout)}); pass "
-                                  "allow_reshard=True to load it into this split (parameters, "
-                                  "optimizer state and progress load bitwise)")
-        if numerics and not allow_numerics_change:
-            raise CheckpointError(path, MANIFEST, "configuration mismatch: "
-                                  f"{'; '.join(numerics)}; this changes the arithmetic (order "
-                                  "of sums, loss scale or dropout streams), so later losses "
-                                  "differ from the saved run's. Pass allow_numerics_change=True "
-                                  "to load it anyway (the state itself loads bitwise)")
-        if (layout or numerics) and self.is_coordinator:
-            logger.info("loading %s into another configuration: %s", path,
-                        "; ".join(layout + numerics))
-
-    def _verify(self, path: Path) -> Manifest:
-        """Check the manifest and every file's size and SHA-256, spreading the hashing over
-        the ranks; every rank raises the same CheckpointError if anything is wrong."""
-        problems: list[Problem] = []
-        manifest = None
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError as error:
-            problems.append(Problem(error.file, error.cause))
-        if manifest is not None:
-            share = sorted(manifest.files)[self.rank::self.world_size]
-            problems += check_files(path, manifest, share)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, problems, group=self._group)
-        merged = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
-        if not merged and manifest is not None:
-            merged = check_metadata(path, manifest)[1]
-        raise_problems(path, merged)
-        assert manifest is not None
-        return manifest
 
     def _on_coordinator(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the coordinator and hand every rank its result (or its error)."""

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -216,6 +217,28 @@ def verify(path: Path) -> Manifest:
     if not problems:
         problems += check_metadata(path, manifest)[1]
     raise_problems(path, problems)
+    return manifest
+
+
+def verify_on_ranks(path: Path, group: dist.ProcessGroup | None) -> Manifest:
+    """``verify``, collectively: the ranks of ``group`` share the hashing, and every rank
+    raises the same CheckpointError if anything is wrong."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    problems: list[Problem] = []
+    manifest = None
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as error:
+        problems.append(Problem(error.file, error.cause))
+    if manifest is not None:
+        problems += check_files(path, manifest, sorted(manifest.files)[rank::world_size])
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, problems, group=group)
+    merged = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
+    if not merged and manifest is not None:
+        merged = check_metadata(path, manifest)[1]
+    raise_problems(path, merged)
+    assert manifest is not None
     return manifest
 
 

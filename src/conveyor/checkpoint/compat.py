@@ -1,9 +1,10 @@
-"""Compare what the ranks are about to load with what a checkpoint holds: names and shapes,
-so a mismatch is a clear error before torch.distributed.checkpoint reads anything."""
+"""Does a checkpoint fit this run: its configuration (split, schedule, micro-batches) and its
+entries' names and shapes, checked before torch.distributed.checkpoint reads anything."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,13 +15,42 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from conveyor.checkpoint.manifest import METADATA, Problem
+from conveyor.checkpoint.manifest import MANIFEST, METADATA, CheckpointError, Manifest, Problem
+from conveyor.checkpoint.state import LAYOUT_FIELDS, NUMERICS_FIELDS
 
-__all__ = ["check_keys"]
+__all__ = ["check_keys", "check_layout"]
 
 logger = logging.getLogger(__name__)
 
 _SHOWN = 4
+
+
+def check_layout(path: Path, manifest: Manifest, now: dict[str, Any], allow_reshard: bool,
+                 allow_numerics_change: bool, log: bool = True) -> None:
+    """Raise CheckpointError unless the layout ``now`` may load the checkpoint at ``path``:
+    a change of split or placement needs ``allow_reshard``, a change of the arithmetic
+    (schedule, micro-batches, loss reduction, seed) ``allow_numerics_change``."""
+    saved = manifest.layout
+    layout = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in LAYOUT_FIELDS
+              if saved.get(f) != now[f]]
+    numerics = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in NUMERICS_FIELDS
+                if saved.get(f) != now[f]]
+    if not layout and not numerics and saved.get("program_sha256") != now["program_sha256"]:
+        numerics.append("the schedule's program (same name, other actions)")
+    if layout and not allow_reshard:
+        raise CheckpointError(path, MANIFEST, "configuration mismatch: this run splits or "
+                              f"places the model differently ({'; '.join(layout)}); pass "
+                              "allow_reshard=True to load it into this split (parameters, "
+                              "optimizer state and progress load bitwise)")
+    if numerics and not allow_numerics_change:
+        raise CheckpointError(path, MANIFEST, "configuration mismatch: "
+                              f"{'; '.join(numerics)}; this changes the arithmetic (order of "
+                              "sums, loss scale or dropout streams), so later losses differ "
+                              "from the saved run's. Pass allow_numerics_change=True to load "
+                              "it anyway (the state itself loads bitwise)")
+    if (layout or numerics) and log:
+        logger.info("loading %s into another configuration: %s", path,
+                    "; ".join(layout + numerics))
 
 
 def check_keys(state: dict[str, Any], metadata: Metadata,
