@@ -237,3 +237,20 @@ def test_memory_sizes_read_with_units() -> None:
     assert parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="2GiB, 512MiB"):
         parse_bytes("lots")
+
+
+def test_a_graph_model_gets_its_branches_on_separate_ranks() -> None:
+    # forward runs a1, b1, a2, b2, head(a2, b2): two branches interleaved in forward order
+    inputs = {"a1": (-1,), "b1": (-2,), "a2": (0,), "b2": (1,), "head": (2, 3)}
+    units = tuple(Unit(name, name, ins, 100, 100) for name, ins in inputs.items())
+    stats = {size: tuple(UnitStats(0.2 if u.name == "head" else 1.0 * size, 2.0 * size, 1.0,
+                                   1.0, 10, 10, (True,) * len(u.inputs), False, 10, 10)
+                         for u in units) for size in (1, 2, 4)}
+    profile = Profile("towers", units, stats, {s: (0.0, 0.0) for s in stats}, 16, (8, 8))
+    report = plan(None, 3, 1 << 40, 8, profile=profile, schedules=["1f1b", "gpipe"],
+                  microbatches=[4])
+    assert report.best.stage_units[0] == (0, 2)  # branch a whole on rank 0, b beside it
+    modules = report.pipeline_config()["stage_modules"]
+    assert modules[0] == "a1,a2" and "b1" in modules[1]
+    forward_order = [p for p in report.plans if p.stage_units == ((0, 1), (2, 3), (4,))]
+    assert forward_order and min(p.step_time for p in forward_order) > report.best.step_time

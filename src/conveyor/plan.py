@@ -195,7 +195,12 @@ class PlanReport:
         chosen = chosen or self.best
         fields: dict[str, Any] = {"schedule": chosen.schedule,
                                   "num_microbatches": chosen.num_microbatches}
-        if self.sequential_children is not None:
+        flat = [u for units in chosen.stage_units for u in units]
+        if flat != sorted(flat):  # branches on their own stages: name each stage's modules
+            fields["stage_modules"] = [",".join(self.profile.units[u].target for u in units
+                                                if self.profile.units[u].target)
+                                       for units in chosen.stage_units]
+        elif self.sequential_children is not None:
             fields["balance"] = list(chosen.balance)
         else:
             fields["split_points"] = [self.profile.units[units[0]].target
@@ -303,25 +308,34 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
         raise ValueError(f"micro-batch counts {counts} must lie in 1..{batch_size} (the batch)")
     profile, children = _profile_for(workload, profile, num_ranks, batch_size, counts,
                                      max(layout_of(n).virtual_stages for n in names))
-    search = _Search(profile, num_ranks, memory_budget, batch_size, checkpointing)
-    pending: list[_Candidate] = []
+    # a graph model is also cut along an order that keeps each branch whole (conveyor.cut),
+    # so that independent branches can sit on different ranks side by side
+    orders: list[list[int] | None] = [None]
+    branches = _branch_order(profile)
+    if branches is not None:
+        orders.append(branches)
     notes: list[str] = []
+    plans: list[Plan] = []
+    pruned = 0
     # cheapest first: some schedules take far longer to build than others (list schedules
     # over a graph), so a probe on a small pipeline orders them
     probe = {name: _build_time(name, min(num_ranks, 8)) for name in names}
-    for m, name in sorted(((m, n) for m in counts for n in names),
-                          key=lambda pair: (probe[pair[1]] * pair[0], pair[0])):
-        if time_budget_s is not None and time.perf_counter() - start > time_budget_s / 2:
-            notes.append(f"{name} with {m} micro-batches: not tried, the search used its "
-                         f"time budget ({time_budget_s:.0f} s)")
-            continue
-        pending += _attempt(search, name, m, objectives, notes)
-    if not pending:
-        raise ValueError(f"no configuration could be placed on {num_ranks} ranks: " +
-                         "; ".join(notes[:4]))
-    deadline = None if time_budget_s is None else start + time_budget_s
-    plans, pruned = search.simulate_best(_dedupe(pending), keep, deadline)
-    notes += search.notes
+    for order in orders:
+        search = _Search(profile if order is None else _reordered(profile, order), num_ranks,
+                         memory_budget, batch_size, checkpointing, order)
+        pending: list[_Candidate] = []
+        for m, name in sorted(((m, n) for m in counts for n in names),
+                              key=lambda pair: (probe[pair[1]] * pair[0], pair[0])):
+            if time_budget_s is not None and time.perf_counter() - start > time_budget_s / 2:
+                notes.append(f"{name} with {m} micro-batches: not tried, the search used its "
+                             f"time budget ({time_budget_s:.0f} s)")
+                continue
+            pending += _attempt(search, name, m, objectives, notes)
+        deadline = None if time_budget_s is None else start + time_budget_s
+        found, skipped = search.simulate_best(_dedupe(pending), keep, deadline)
+        plans += found
+        pruned += skipped
+        notes += search.notes
     if not plans:
         raise ValueError(f"no configuration could be placed on {num_ranks} ranks: " +
                          "; ".join(notes[:4]))
@@ -331,6 +345,23 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
     logger.info("planned %s for %d ranks: %d plans simulated (%d pruned by their bound) in "
                 "%.1f s", profile.model, num_ranks, len(plans), pruned, report.elapsed_s)
     return report
+
+
+def _branch_order(profile: Profile) -> list[int] | None:
+    """A topological order keeping each branch whole, if it differs from forward order."""
+    from conveyor.cut import branch_order
+
+    order = branch_order([[p for p in u.inputs if p >= 0] for u in profile.units])
+    return None if order == list(range(profile.num_units)) else order
+
+
+def _reordered(profile: Profile, order: list[int]) -> Profile:
+    """``profile`` with its units listed in ``order`` (inputs renumbered)."""
+    position = {u: i for i, u in enumerate(order)}
+    units = tuple(replace(profile.units[u], inputs=tuple(
+        position[p] if p >= 0 else p for p in profile.units[u].inputs)) for u in order)
+    stats = {size: tuple(values[u] for u in order) for size, values in profile.stats.items()}
+    return replace(profile, units=units, stats=stats)
 
 
 def _build_time(name: str, num_ranks: int) -> float:
@@ -458,8 +489,10 @@ class _Search:
     """Candidates for one (schedule, micro-batch count): DP splits, checkpointing, simulation."""
 
     def __init__(self, profile: Profile, num_ranks: int, memory_budget: int, batch_size: int,
-                 checkpointing: bool) -> None:
+                 checkpointing: bool, order: list[int] | None = None) -> None:
         self.profile = profile
+        self.order = order
+        """The original index of each unit of ``profile`` when it was reordered."""
         self.num_ranks = num_ranks
         self.budget = memory_budget
         self.batch_size = batch_size
@@ -603,7 +636,9 @@ class _Search:
         cost = ProfileCost(self.profile, graph, units, self.batch_size / c.m, c.m, list(c.modes))
         prediction = predict(program, graph, cost, record=False)
         fits = all(total <= self.budget for total in prediction.total_memory)
-        return Plan(c.schedule, c.m, c.cuts, c.placement, c.modes, c.objective,
+        order = self.order
+        cuts = c.cuts if order is None else tuple(tuple(order[u] for u in cut) for cut in c.cuts)
+        return Plan(c.schedule, c.m, cuts, c.placement, c.modes, c.objective,
                     prediction.step_time, prediction.bubble_fraction,
                     prediction.peak_activation, prediction.total_memory, fits, self.batch_size)
 
