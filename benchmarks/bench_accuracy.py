@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import write_section
+from report import DOC, write_section
 
 from conveyor import Pipeline
 from conveyor.graph import place
@@ -48,6 +48,7 @@ from conveyor.profile import (
 from conveyor.schedule import SCHEDULES, build_program, layout_of
 from conveyor.simulate import ProfileCost, layout, predict
 from conveyor.split import even_balance
+from conveyor.trace import write_png
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,12 @@ def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
                             timeout=timedelta(seconds=120))
     try:
         overheads, link = measure_overheads(), measure_link()
-        results = []
+        results, profiles = [], {}
         for model in MODELS:
-            results += _measure_model(model, rank, rounds, steps, overheads, link)
-        tracing = _trace_overhead(rounds * steps * 4)
+            found, profiles[model.name] = _measure_model(model, rank, rounds, steps, overheads,
+                                                         link)
+            results += found
+        tracing = _trace_overhead(rounds * steps * 4, profiles[MODELS[0].name], rank)
         if rank == 0:
             Path(out).write_text(json.dumps({"results": results, "tracing": tracing}))
     finally:
@@ -134,7 +137,7 @@ def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
 
 
 def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
-                   link: Any) -> list[dict[str, Any]]:
+                   link: Any) -> tuple[list[dict[str, Any]], Profile]:
     workload = model.workload()
     sizes = sorted({model.batch_size // m for m in MICROBATCHES})
     profile = _profile_on_both(workload, sizes)
@@ -180,11 +183,12 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
             print(f"{model.name:<11}{name:<17}{len(units)} stages m={m}: measured "
                   f"{results[-1]['measured_s'] * 1e3:7.2f} ms, predicted "
                   f"{prediction.step_time * 1e3:7.2f} ms", flush=True)
-    return results
+    return results, profile
 
 
-def _trace_overhead(steps: int) -> dict[str, float]:
-    """Median step time of the GPT with and without tracing, steps alternating."""
+def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]:
+    """Median step time of the GPT with and without tracing, steps alternating; rank 0 also
+    draws the last traced step above its prediction (docs/accuracy_timeline.png)."""
     model = MODELS[0]
     workload = model.workload()
     inputs, targets = workload.batch(model.batch_size)
@@ -203,6 +207,14 @@ def _trace_overhead(steps: int) -> dict[str, float]:
         dist.all_gather_object(spans, (start, time.perf_counter()))
         if index >= 8:
             times[traced].append(max(e for _, e in spans) - min(s for s, _ in spans))
+    measured = pipes[True].timeline()
+    graph, units = layout(profile, _chain_layouts("1f1b", profile.num_units)[0][0], [0, 1])
+    predicted = predict(build_program("1f1b", graph, 8), graph,
+                        ProfileCost(profile, graph, units, model.batch_size / 8, 8)).timeline
+    predicted.meta.update(measured.meta)
+    if rank == 0:
+        write_png(DOC.parent / "accuracy_timeline.png", measured, predicted,
+                  title="GPT, 1F1B, 8 micro-batches on 2 ranks: measured (top), predicted")
     return {"off_s": statistics.median(times[False]), "on_s": statistics.median(times[True]),
             "steps": len(times[True])}
 
