@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="training steps after each save")
     parser.add_argument("--dir", help="where checkpoints go (default: a temporary directory)")
     args = parser.parse_args()
