@@ -134,7 +134,7 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "longest time a rank spent in `Checkpointer.save` (the snapshot into reused CPU "
         "buffers when asynchronous; snapshot-free writing, hashing, manifest and rename when "
         "synchronous). Published: from the call until the checkpoint is renamed into place. "
-        "Every save writes with fsync, hashes every file (SHA-256) and verifies nothing; "
+        "Every save writes with fsync and hashes every file (SHA-256) for the manifest; "
         "resume verifies every file's SHA-256 (the hashing split over the ranks) and loads.",
         "",
         f"Command: `python benchmarks/bench_checkpoint.py` on {platform.machine()}, "

@@ -177,12 +177,17 @@ def test_killed_while_checkpointing_resumes_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.dist
-def test_lost_rank_without_restarts_fails_the_run_naming_it(tmp_path: Path) -> None:
-    result, _, _ = _conveyor_run(tmp_path, "lost", 8, ["backward:rank=1:step=2"], 0)
+@pytest.mark.timeout(300)
+def test_lost_rank_without_restarts_left_fails_the_run_naming_it(tmp_path: Path) -> None:
+    lost = ["backward:rank=1:step=2:attempt=0", "forward:rank=0:step=3:attempt=1"]
+    result, _, log = _conveyor_run(tmp_path, "lost", 8, lost, 1)
     assert result.returncode == 1
-    output = result.stdout + result.stderr
-    assert "rank 1 (local rank 1) failed first: exit code -9 (SIGKILL)" in output
-    assert "lost rank 1" in output or "SIGTERM" in output  # rank 0: its own error, or stopped
+    assert ("rank 0 (local rank 0) failed first: exit code -9 (SIGKILL); no restarts left "
+            "(--max-restarts 1 used up)") in result.stderr
+    # rank 1 fails on its own, naming rank 0, unless torchrun has stopped it first
+    assert "lost rank 0" in result.stderr or "SIGTERM" in result.stderr
+    assert {entry["attempt"] for entry in _losses(log)} == {0, 1}
+    assert max(entry["step"] for entry in _losses(log)) == 3
 
 
 # -- a lost peer, every survivor fails quickly naming it -----------------------------------

@@ -196,7 +196,8 @@ def _torchrun(arguments: list[str]) -> int:
     except ChildFailedError as error:  # each rank's own error is printed above
         rank, failure = error.get_first_failure()
         cause = failure.signal_name() if failure.exitcode < 0 else "an exception, see above"
-        restarts = (f"after {launch.max_restarts} restarts" if launch.max_restarts
+        restarts = (f"no restarts left (--max-restarts {launch.max_restarts} used up)"
+                    if launch.max_restarts
                     else "no restarts: pass --max-restarts N (and save with a Checkpointer) "
                     "to resume")
         logger.error("rank %d (local rank %d) failed first: exit code %d (%s); %s", rank,
