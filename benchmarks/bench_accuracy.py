@@ -37,12 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import DOC, write_section
 
 from conveyor import Pipeline
+from conveyor.calibrate import measure_link, measure_overheads
 from conveyor.graph import place
 from conveyor.profile import (
     Profile,
     Workload,
-    measure_link,
-    measure_overheads,
     profile_model,
 )
 from conveyor.schedule import SCHEDULES, build_program, layout_of

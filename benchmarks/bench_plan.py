@@ -33,9 +33,10 @@ from bench_accuracy import MODELS, Model, _profile_on_both
 from report import write_section
 
 from conveyor import Pipeline
+from conveyor.calibrate import measure_link, measure_overheads
 from conveyor.models.unbalanced import MLPBlock, mse, regression_batch
 from conveyor.plan import plan
-from conveyor.profile import Workload, measure_link, measure_overheads, trace_units
+from conveyor.profile import Workload, trace_units
 from conveyor.schedule import SCHEDULES, layout_of
 
 BUDGET = 1 << 30

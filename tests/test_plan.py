@@ -7,49 +7,16 @@ import itertools
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from conveyor import Pipeline
 from conveyor.config import read_plan
-from conveyor.plan import _bottleneck_split, load_workload, plan, schedule_layout
+from conveyor.plan import load_workload, plan, schedule_layout
 from conveyor.profile import Profile, Unit, UnitStats, Workload
 from conveyor.schedule import SCHEDULES
 from dist import run_ranks
-
-
-def _brute_force(costs: np.ndarray, can_start: np.ndarray, num_stages: int) -> float:
-    n = len(can_start) - 1
-    best = np.inf
-    for cuts in itertools.combinations(range(1, n), num_stages - 1):
-        if not all(can_start[c] for c in cuts):
-            continue
-        bounds = [0, *cuts, n]
-        best = min(best, max(costs[a, b] for a, b in itertools.pairwise(bounds)))
-    return float(best)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_the_split_is_optimal_for_its_cost(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    n, num_stages = int(rng.integers(3, 9)), int(rng.integers(1, 4))
-    weights = rng.exponential(size=n)
-    costs = np.full((n + 1, n + 1), np.inf)
-    for a in range(n):
-        for b in range(a + 1, n + 1):
-            # a stage's cost: its work plus a made-up overhead, inf where "memory" is exceeded
-            cost = weights[a:b].sum() + 0.1 * (b - a) ** 0.5
-            costs[a, b] = cost if rng.random() > 0.15 else np.inf
-    can_start = np.array([True] + [bool(rng.random() > 0.2) for _ in range(n - 1)] + [False])
-    starts = _bottleneck_split(lambda j: costs, can_start, num_stages, [0] * num_stages)
-    expected = _brute_force(costs, can_start, num_stages)
-    if starts is None:
-        assert expected == np.inf
-        return
-    bounds = [*starts, n]
-    assert max(costs[a, b] for a, b in itertools.pairwise(bounds)) == pytest.approx(expected)
 
 
 def _profile(forward: list[float], saved: int = 1000, params: int = 100) -> Profile:

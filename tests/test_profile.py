@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conveyor.calibrate import measure_link, measure_overheads
 from conveyor.models.unbalanced import MLPBlock
 from conveyor.profile import (
     Link,
@@ -16,8 +17,6 @@ from conveyor.profile import (
     Profile,
     UnitStats,
     Workload,
-    measure_link,
-    measure_overheads,
     profile_model,
     trace_units,
 )

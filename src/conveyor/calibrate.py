@@ -1,0 +1,194 @@
+"""Runtime overheads and the link between ranks, measured on two ranks, for a Profile.
+
+    overheads, link = measure_overheads(), measure_link()   # inside a two-rank process group
+    overheads, link = measure_local()                        # starts two local ranks itself
+    profile.overheads, profile.link = overheads, link
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.comm import P2P, Meta
+from conveyor.profile import Link, Overheads, Workload, profile_model
+
+__all__ = ["measure_link", "measure_local", "measure_overheads"]
+
+logger = logging.getLogger(__name__)
+
+
+def measure_overheads(group: dist.ProcessGroup | None = None, steps: int = 30,
+                      num_microbatches: int = 8) -> Overheads:
+    """Per-action runtime costs, from a traced pipeline of two tiny stages on ranks 0 and 1.
+
+    Collective over ``group`` (exactly two ranks). The tiny stages' own compute, measured
+    the way ``profile_model`` measures units, is subtracted, so what remains is what the
+    runtime adds to any stage.
+    """
+    from conveyor.pipeline import Pipeline
+
+    _need_two(group)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    workload = Workload("tiny", model, lambda n: (torch.randn(n, 4), torch.randn(n, 4)),
+                        lambda out, target: ((out - target) ** 2).mean())
+    units = profile_model(workload, [1], threads=None, min_time_s=0.005)
+    pipe = Pipeline(model, loss_fn=workload.loss_fn, group=group, balance=(1, 1),
+                    num_microbatches=num_microbatches, schedule="gpipe", trace=True)
+    inputs, targets = workload.batch(num_microbatches)
+    step_times = []
+    for _ in range(steps):
+        dist.barrier(group)
+        start = time.perf_counter()
+        pipe.step(inputs, targets)
+        step_times.append(time.perf_counter() - start)
+    rank = dist.get_rank(group)
+    unit = units.stats[1][rank]
+    loss_forward, loss_backward = units.loss[1] if rank == 1 else (0.0, 0.0)
+    recorder = pipe._recorder
+    assert recorder is not None
+    events = [e for _, step in recorder.steps[steps // 3:] for e in step]
+    run_spans = [max(e.end for e in s) - min(e.start for e in s)
+                 for _, s in recorder.steps[steps // 3:]]
+
+    def median(kind: str, minus: float = 0.0) -> float:
+        values = [e.duration for e in events if e.kind == kind]
+        return max(0.0, statistics.median(values) - minus) if values else 0.0
+
+    waits = [e.duration for e in events if e.kind == "wait" and e.waited_for]
+    local = [median("forward", unit.forward + loss_forward),
+             median("backward", unit.backward + loss_backward), median("send"), median("recv"),
+             min(waits) if waits else 0.0,
+             max(0.0, statistics.median(step_times[steps // 3:]) - statistics.median(run_spans))]
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, local, group=group)
+    # F and B: both ranks run them (rank 1 with the loss); sends on rank 0, receives on both
+    averaged = [statistics.mean(values) for values in zip(*gathered, strict=True)]
+    send = gathered[0][2]
+    return Overheads(averaged[0], averaged[1], send, averaged[3], averaged[4], averaged[5])
+
+
+def measure_link(group: dist.ProcessGroup | None = None,
+                 sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
+                 repeats: int = 20) -> Link:
+    """Latency and bandwidth between ranks 0 and 1, from ping-pongs through ``P2P``.
+
+    Collective over ``group`` (exactly two ranks); a least-squares line through the one-way
+    times (half a round trip) of each message size.
+    """
+    _need_two(group)
+    rank = dist.get_rank(group)
+    p2p = P2P(group, torch.device("cpu"), timedelta(seconds=60))
+    peer = 1 - rank
+    points: list[tuple[int, float]] = []
+
+    calls: list[tuple[int, float, float]] = []
+    for size in sizes:
+        message = torch.zeros(size, dtype=torch.uint8)
+        meta = Meta.of(message)
+        samples, sending, posting = [], [], []
+        for repeat in range(repeats + 2):
+            start = time.perf_counter()
+            if rank == 0:
+                p2p.send(message, peer, "ping")
+                sent = time.perf_counter()
+                receive = p2p.post(peer, meta, "pong")
+                posted = time.perf_counter()
+                p2p.wait(receive)
+            else:
+                receive = p2p.post(peer, meta, "ping")
+                posted = time.perf_counter()
+                p2p.wait(receive)
+                collected = time.perf_counter()
+                p2p.send(message, peer, "pong")
+                sent = time.perf_counter()
+            p2p.wait_sends()
+            if repeat >= 2:
+                samples.append((time.perf_counter() - start) / 2)
+                if rank == 0:
+                    sending.append(sent - start)
+                    posting.append(posted - sent)
+                else:
+                    sending.append(sent - collected)
+                    posting.append(posted - start)
+        points.append((size, statistics.median(samples)))
+        calls.append((size, statistics.median(sending), statistics.median(posting)))
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, (points, calls), group=group)
+    (points, calls), _ = gathered
+    xs = [float(s) for s, _ in points]
+    send_slope, _ = _fit(xs, [t for _, t, _ in calls])
+    recv_slope, _ = _fit(xs, [t for _, _, t in calls])
+    # a message is there one-way time after the send started; the simulator counts transfer
+    # from the send call's end, so the call's own time comes off
+    one_way = [t - sending for (_, t), (_, sending, _) in zip(points, calls, strict=True)]
+    slope, intercept = _fit(xs, one_way)
+    return Link(max(intercept, 1e-7), 1.0 / max(slope, 1e-13), max(send_slope, 0.0),
+                max(recv_slope, 0.0))
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) /
+             sum((x - mean_x) ** 2 for x in xs))
+    return slope, mean_y - slope * mean_x
+
+
+def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
+    """Runtime overheads and the link between two ranks started here (gloo, one thread each),
+    for a profile made in a process that has no peers (``conveyor plan``)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory, "measured.json")
+        context = mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
+            _local_worker, args=(str(Path(directory, "store")), str(out)), nprocs=2, join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"measuring the link between two local ranks took over "
+                                       f"{timeout_s:.0f} s; pass --no-link to plan without it")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        data = json.loads(out.read_text())
+    return Overheads(**data["overheads"]), Link(**data["link"])
+
+
+def _local_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        overheads = measure_overheads()
+        link = measure_link()
+        if rank == 0:
+            Path(out).write_text(json.dumps({"overheads": dataclasses.asdict(overheads),
+                                             "link": dataclasses.asdict(link)}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _need_two(group: dist.ProcessGroup | None) -> None:
+    if not dist.is_initialized() or dist.get_world_size(group) != 2:
+        raise RuntimeError("measuring the runtime and the link needs a process group of exactly "
+                           "two ranks; run it under `conveyor run -n 2` (or let `conveyor plan` "
+                           "start two local ranks)")
