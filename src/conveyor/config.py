@@ -159,7 +159,7 @@ CHECKPOINT_DIR_ENV = "CONVEYOR_CHECKPOINT_DIR"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
-    """Where, how often and how training checkpoints are written and loaded (conveyor.checkpoint)."""
+    """Where, how often and how checkpoints are saved and loaded (conveyor.checkpoint)."""
 
     directory: str | None = None
     """Directory of the run's checkpoints; default: $CONVEYOR_CHECKPOINT_DIR, which
