@@ -124,3 +124,19 @@ def test_runtime_overheads_and_link_are_measured_on_two_ranks(tmp_path: Path) ->
 def test_overheads_need_two_ranks() -> None:
     with pytest.raises(RuntimeError, match="exactly two ranks"):
         measure_overheads()
+
+
+def test_identical_layers_are_measured_once_but_a_model_input_is_no_layer_output() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).double()
+    profile = profile_model(_workload_8(model), [4], min_time_s=0.0, min_repeats=2)
+    first, second, third = profile.stats[4]
+    assert second == third  # same module, same input shape: one measurement
+    assert first != second  # the first takes the model input, which needs no gradient
+    assert first.backward_input < second.backward_input or first.backward_input == 0.0
+
+
+def _workload_8(model: nn.Module) -> Workload:
+    def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(size, 8, dtype=torch.float64), torch.randn(size, 8, dtype=torch.float64)
+    return Workload("linear", model, batch, lambda out, target: ((out - target) ** 2).mean())

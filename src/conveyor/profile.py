@@ -475,7 +475,9 @@ def _signature(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> str:
         what = f"{type(module).__qualname__} {module!r} {module.training}"
     else:
         what = f"{node.op} {getattr(node.target, '__qualname__', node.target)}"
-    args = fx.node.map_arg((node.args, node.kwargs), lambda n: shape(env[n]))
+    # a model input needs no gradient, another unit's output does: different backwards
+    args = fx.node.map_arg((node.args, node.kwargs),
+                           lambda n: (n.op == "placeholder", shape(env[n])))
     return f"{what} {args!r}"
 
 
