@@ -136,7 +136,7 @@ def _report_towers(results: dict[Any, dict[str, Any]], args: argparse.Namespace)
         measured = statistics.median(c / g for g, c in zip(graph["times"], chain["times"],
                                                             strict=True))
         predicted = (m + 3 - 1) / (m + 2 - 1)
-        mib = " / ".join(f"{g / 2**20:.1f} vs {c / 2**20:.1f}"
+        mib = " / ".join(f"{g / 2**20:.2f} vs {c / 2**20:.2f}"
                          for g, c in zip(graph["peaks"], chain["peaks"], strict=True))
         rows.append(f"| {m} | {graph['time'] * 1e3:.0f} | {chain['time'] * 1e3:.0f} | "
                     f"{measured:.3f} | {predicted:.3f} | {measured / predicted:.1%} | "
