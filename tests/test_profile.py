@@ -140,3 +140,27 @@ def _workload_8(model: nn.Module) -> Workload:
     def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(size, 8, dtype=torch.float64), torch.randn(size, 8, dtype=torch.float64)
     return Workload("linear", model, batch, lambda out, target: ((out - target) ** 2).mean())
+
+
+def test_fit_scales_the_profile_to_a_measured_step() -> None:
+    from conveyor.calibrate import fit
+    from conveyor.schedule import build_program
+    from conveyor.simulate import ProfileCost, layout, predict, split_units
+    from conveyor.trace import Event, Timeline
+
+    profile = profile_model(_workload(_model()), [2], min_time_s=0.0, min_repeats=1)
+    profile.overheads = Overheads(forward=1e-4, backward=1e-4, send=1e-5, recv=1e-5)
+    graph, units = layout(profile, split_units(profile.num_units, [2, 3]))
+    program = build_program("1f1b", graph, 4)
+    predicted = predict(program, graph, ProfileCost(profile, graph, units, 2, 4)).timeline
+    slower = {"forward": 1.5, "backward": 2.0, "send": 3.0}  # what the "machine" did
+    measured = Timeline(2, [Event(e.rank, e.action, e.start, e.start + e.duration *
+                                  slower.get(e.kind, 1.0)) for e in predicted.events])
+    fitted = fit(profile, measured, predicted)
+    again = predict(program, graph, ProfileCost(fitted, graph, units, 2, 4)).timeline
+    for kind, factor in slower.items():
+        want = sum(e.duration for e in predicted.events if e.kind == kind) * factor
+        assert sum(e.duration for e in again.events if e.kind == kind) == pytest.approx(want)
+    assert fitted.calibration[2][1] == pytest.approx(profile.calibration[2][1] * 2.0)
+    with pytest.raises(ValueError, match="share no kind of action"):
+        fit(profile, Timeline(2), predicted)

@@ -1,8 +1,10 @@
-"""Runtime overheads and the link between ranks, measured on two ranks, for a Profile.
+"""Fit a Profile to the machine: runtime overheads and the link between ranks (measured on
+two ranks), and the ratios a traced step shows between measured and predicted actions.
 
     overheads, link = measure_overheads(), measure_link()   # inside a two-rank process group
     overheads, link = measure_local()                        # starts two local ranks itself
     profile.overheads, profile.link = overheads, link
+    profile = fit(profile, pipe.timeline(), prediction.timeline)   # one traced configuration
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.comm import P2P, Meta
-from conveyor.profile import Link, Overheads, Workload, profile_model
+from conveyor.profile import Link, Overheads, Profile, Workload, profile_model
+from conveyor.trace import Timeline
 
-__all__ = ["measure_link", "measure_local", "measure_overheads"]
+__all__ = ["fit", "measure_link", "measure_local", "measure_overheads"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +195,54 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
         raise RuntimeError("measuring the runtime and the link needs a process group of exactly "
                            "two ranks; run it under `conveyor run -n 2` (or let `conveyor plan` "
                            "start two local ranks)")
+
+
+# See Note [fitting to a measured step]
+# A profile measures units one by one in one process; a pipeline runs them in stages, on two
+# busy cores, between messages. What that changes (caches, memory traffic, the other rank)
+# is hard to measure apart but easy to see in a trace: run one configuration with tracing,
+# predict the same configuration, and compare each kind of action summed over the step. The
+# ratios then scale the profile, and predictions of other configurations (other schedules,
+# micro-batch counts, splits) carry the machine's behaviour with them.
+def fit(profile: Profile, measured: Timeline, predicted: Timeline) -> Profile:
+    """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
+    of the configuration ``measured`` ran) would match ``measured`` kind by kind.
+
+    Raises:
+        ValueError: the timelines share no kind of action.
+    """
+    def total(timeline: Timeline, kind: str) -> float:
+        return sum(e.duration for e in timeline.events if e.kind == kind)
+
+    factor: dict[str, float] = {}
+    for kind in ("forward", "backward", "backward_input", "backward_weight", "send", "recv"):
+        expected, seen = total(predicted, kind), total(measured, kind)
+        if expected > 0 and seen > 0:
+            factor[kind] = seen / expected
+    if not factor:
+        raise ValueError("the measured and predicted timelines share no kind of action; pass "
+                         "a traced step and the prediction of the same configuration")
+    backward = factor.get("backward", 1.0)
+    forward = factor.get("forward", 1.0)
+    inputs = factor.get("backward_input", backward)
+    weights = factor.get("backward_weight", backward)
+    stats = {size: tuple(dataclasses.replace(
+        s, forward=s.forward * forward, backward=s.backward * backward,
+        backward_input=s.backward_input * inputs, backward_weight=s.backward_weight * weights)
+        for s in values) for size, values in profile.stats.items()}
+    loss = {size: (f * forward, b * backward) for size, (f, b) in profile.loss.items()}
+    overheads = dataclasses.replace(
+        profile.overheads, forward=profile.overheads.forward * forward,
+        backward=profile.overheads.backward * backward,
+        send=profile.overheads.send * factor.get("send", 1.0),
+        recv=profile.overheads.recv * factor.get("recv", 1.0))
+    link = profile.link
+    if link is not None:
+        link = dataclasses.replace(link, send_per_byte=link.send_per_byte * factor.get("send", 1.0),
+                                   recv_per_byte=link.recv_per_byte * factor.get("recv", 1.0))
+    calibration = {size: (f * forward, b * backward) for size, (f, b) in
+                   (profile.calibration or {s: (1.0, 1.0) for s in profile.stats}).items()}
+    logger.info("fitted %s to a measured step: %s", profile.model,
+                ", ".join(f"{k} x{v:.2f}" for k, v in factor.items()))
+    return dataclasses.replace(profile, stats=stats, loss=loss, overheads=overheads, link=link,
+                               calibration=calibration)
