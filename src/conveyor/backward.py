@@ -58,12 +58,15 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
     are leaves; the graph of everything else is released once the returned WeightGrad runs
     or is dropped.
     """
+    wanted = [x for x in inputs if x.requires_grad]
+    if not wanted:  # a first stage: no input gradient, and W is the whole backward
+        pairs = [(r, g) for r, g in zip(roots, root_grads, strict=True) if r.requires_grad]
+        return [None] * len(inputs), WeightGrad([], [r for r, _ in pairs], [g for _, g in pairs])
     edges, seeds = [], []
     for root, grad in zip(roots, root_grads, strict=True):
         if root.requires_grad:
             edges.append(get_gradient_edge(root))
             seeds.append(torch.ones_like(root) if grad is None else grad)
-    wanted = [x for x in inputs if x.requires_grad]
     graph = _Graph.of([e.node for e in edges], [get_gradient_edge(x).node for x in wanted])
     kept: dict[Node, _Grads] = {}
     handles = [node.register_prehook(_keeper(kept, node)) for node in graph.frontier]
@@ -187,21 +190,27 @@ class _Graph:
 class WeightGrad:
     """The deferred weight gradient of one stage and micro-batch; ``run`` it once."""
 
-    def __init__(self, groups: list[_Group]) -> None:
+    def __init__(self, groups: list[_Group], roots: Sequence[torch.Tensor] = (),
+                 root_grads: Sequence[torch.Tensor | None] = ()) -> None:
         self._groups = groups
+        self._roots, self._root_grads = list(roots), list(root_grads)
+        """A plain backward to run instead, when no input needs a gradient."""
 
     @property
     def is_empty(self) -> bool:
-        return not self._groups
+        return not self._groups and not self._roots
 
     def tensors(self) -> list[torch.Tensor]:
         """The gradients kept for W (for memory accounting)."""
-        return [g for group in self._groups for s in group.starts for g in s.grads
-                if g is not None]
+        kept = [g for group in self._groups for s in group.starts for g in s.grads]
+        return [g for g in kept + self._root_grads if g is not None]
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad``, as backward would, and free the
         graph."""
+        if self._roots:
+            roots, grads, self._roots, self._root_grads = self._roots, self._root_grads, [], []
+            torch.autograd.backward(roots, grads)
         groups, self._groups = self._groups, []
         # A group of several starts may walk input-path nodes that other groups run too, so
         # those go first and keep the graph; a single start runs only its own nodes, and
