@@ -384,7 +384,7 @@ def _run_node(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
 
 def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
                   depth: int = 1, threads: int | None = 1, min_time_s: float = 0.02,
-                  min_repeats: int = 5) -> Profile:
+                  min_repeats: int = 5, passes: int = 3) -> Profile:
     """Measure every unit's forward, backward (input and weight parts), saved and output bytes
     at each micro-batch size, in this process (no peers needed).
 
@@ -393,6 +393,9 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
             ``conveyor run`` and torchrun start ranks); None keeps the current setting.
         min_time_s: each measurement repeats until it has run this long (and ``min_repeats``
             times); the median is kept.
+        passes: every unit is measured in this many passes over the model, and the median
+            of the passes is kept, so that a burst of other work on the machine spoils one
+            pass of one unit rather than all of its measurement.
     """
     if not microbatch_sizes or any(size < 1 for size in microbatch_sizes):
         raise ValueError(f"microbatch_sizes must be positive sample counts, got "
@@ -409,16 +412,24 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
         for size in sorted(set(microbatch_sizes)):
             inputs, targets = workload.batch(size)
             env = _capture(model, graph, inputs)
-            measure = _Timer(min_time_s, min_repeats)
-            measured: dict[str, UnitStats] = {}  # identical layers are measured once
-            for node in nodes:
-                key = _signature(model, node, env)
-                if key not in measured:
-                    measured[key] = _unit_stats(model, node, env, measure)
-            units_alone = tuple(measured[_signature(model, node, env)] for node in nodes)
+            measure = _Timer(min_time_s / max(passes, 1), min_repeats)
+            keys = [_signature(model, node, env) for node in nodes]
+            first = dict(zip(keys, nodes, strict=True))  # identical layers are measured once
             output = env[next(n for n in graph.nodes if n.op == "output").args[0]]
-            losses[size] = _loss_times(workload.loss_fn, output, targets, measure)
-            factors = _in_sequence(workload, inputs, targets, units_alone, losses[size], measure)
+            rounds = []
+            for _ in range(max(passes, 1)):
+                measured = {key: _unit_stats(model, node, env, measure)
+                            for key, node in first.items()}
+                alone = tuple(measured[key] for key in keys)
+                loss = _loss_times(workload.loss_fn, output, targets, measure)
+                rounds.append((alone, loss, _in_sequence(workload, inputs, targets, alone,
+                                                         loss, measure)))
+            units_alone = tuple(_median_stats([r[0][u] for r in rounds])
+                                for u in range(len(nodes)))
+            losses[size] = (statistics.median(r[1][0] for r in rounds),
+                            statistics.median(r[1][1] for r in rounds))
+            factors = (statistics.median(r[2][0] for r in rounds),
+                       statistics.median(r[2][1] for r in rounds))
             calibration[size] = factors
             stats[size] = tuple(_times_by(s, *factors) for s in units_alone)
             bound = bind_inputs(model, inputs)
@@ -649,6 +660,15 @@ def _in_sequence(workload: Workload, inputs: Any, targets: Any, units: Sequence[
     factors = (forward_time / alone_forward if alone_forward else 1.0,
                backward_time / alone_backward if alone_backward else 1.0)
     return (min(max(factors[0], 0.5), 2.0), min(max(factors[1], 0.5), 2.0))
+
+
+def _median_stats(passes: Sequence[UnitStats]) -> UnitStats:
+    """One unit's stats: the median time of each kind over the passes (bytes are exact)."""
+    def median(field: str) -> float:
+        return float(statistics.median(getattr(p, field) for p in passes))
+    return replace(passes[0], forward=median("forward"), backward=median("backward"),
+                   backward_input=median("backward_input"),
+                   backward_weight=median("backward_weight"))
 
 
 def _times_by(stats: UnitStats, forward: float, backward: float) -> UnitStats:
