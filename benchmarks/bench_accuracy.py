@@ -198,15 +198,14 @@ def _fitted(model: Model, workload: Workload, profile: Profile, configs: list[An
     name, units, placement, m, _ = next(
         (c for c in configs if c[0] == "1f1b" and c[3] == min(MICROBATCHES)), configs[0])
     pipe = _pipeline(model, workload, name, units, placement, m, trace=True)
-    for _ in range(8):
+    for _ in range(12):
         dist.barrier()
         pipe.step(inputs, targets)
-    kept = [pipe.timeline(step) for step in range(-6, 0)]
-    measured = sorted(kept, key=lambda t: t.step_time)[len(kept) // 2]
+    kept = [pipe.timeline(step) for step in range(-10, 0)]  # the first two warm up
     graph, stage_units = layout(profile, units, placement)
     predicted = predict(build_program(name, graph, m), graph,
                         ProfileCost(profile, graph, stage_units, model.batch_size / m, m))
-    return fit(profile, measured, predicted.timeline), (name, len(units), m)
+    return fit(profile, kept, predicted.timeline), (name, len(units), m)
 
 
 def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]:

@@ -204,19 +204,24 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
 # predict the same configuration, and compare each kind of action summed over the step. The
 # ratios then scale the profile, and predictions of other configurations (other schedules,
 # micro-batch counts, splits) carry the machine's behaviour with them.
-def fit(profile: Profile, measured: Timeline, predicted: Timeline) -> Profile:
+def fit(profile: Profile, measured: Timeline | Sequence[Timeline],
+        predicted: Timeline) -> Profile:
     """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
-    of the configuration ``measured`` ran) would match ``measured`` kind by kind.
+    of the configuration that ran) would match ``measured`` (one step, or several, averaged)
+    kind by kind.
 
     Raises:
         ValueError: the timelines share no kind of action.
     """
+    steps = [measured] if isinstance(measured, Timeline) else list(measured)
+
     def total(timeline: Timeline, kind: str) -> float:
         return sum(e.duration for e in timeline.events if e.kind == kind)
 
     factor: dict[str, float] = {}
     for kind in ("forward", "backward", "backward_input", "backward_weight", "send", "recv"):
-        expected, seen = total(predicted, kind), total(measured, kind)
+        expected = total(predicted, kind)
+        seen = sum(total(step, kind) for step in steps) / max(len(steps), 1)
         if expected > 0 and seen > 0:
             factor[kind] = seen / expected
     if not factor:
