@@ -223,3 +223,17 @@ def test_a_graph_model_gets_its_branches_on_separate_ranks() -> None:
                         if [u for units in p.stage_units for u in units] == list(range(5))]
     assert in_forward_order
     assert min(p.step_time for p in in_forward_order) > report.best.step_time
+
+
+@pytest.mark.dist
+def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run() -> None:
+    from conveyor.calibrate import profile_local
+
+    profile = profile_local("test_plan:_factory", [2, 4], depth=1, batch_size=8,
+                            num_microbatches=2, timeout_s=240)
+    assert profile.link is not None and profile.overheads.forward > 0
+    assert sorted(profile.stats) == [2, 4] and profile.num_units == 12
+    assert all(forward > 0 and backward > 0 for forward, backward in
+               profile.calibration.values())
+    plan(Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, profile=profile,
+         microbatches=[2, 4])  # the fitted profile still matches its model

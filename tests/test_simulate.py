@@ -113,6 +113,9 @@ def test_profile_costs_sum_units_and_add_overheads_loss_and_recomputation() -> N
     assert cost.compute(Action(1, Kind.B, 0)) == pytest.approx(4 + 5 + 0.25 + 0.2 + 7.5)
     assert cost.compute(Action(1, Kind.I, 2)) == pytest.approx(1 + 1 + 0.25 + 0.2)
     assert cost.compute(Action(1, Kind.W, 2)) == pytest.approx(3 + 4 + 0.2)
+    # stage 0 takes only the model input, which needs no gradient: all of its backward is W
+    assert cost.compute(Action(0, Kind.I, 0)) == pytest.approx(0.2)
+    assert cost.compute(Action(0, Kind.W, 0)) == pytest.approx(2 + 3 + 0.2)
 
 
 def test_activation_memory_is_counted_as_the_meter_counts_it() -> None:

@@ -28,7 +28,8 @@ from conveyor.comm import P2P, Meta
 from conveyor.profile import Link, Overheads, Profile, Workload, profile_model
 from conveyor.trace import Timeline
 
-__all__ = ["fit", "measure_link", "measure_local", "measure_overheads"]
+__all__ = ["fit", "measure_link", "measure_local", "measure_overheads", "profile_local",
+           "profile_together"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,27 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
     """Runtime overheads and the link between two ranks started here (gloo, one thread each),
-    for a profile made in a process that has no peers (``conveyor plan``)."""
+    for a profile made in a process that has no peers."""
+    data = _on_two_local_ranks(timeout_s, None)
+    return Overheads(**data["overheads"]), Link(**data["link"])
+
+
+def profile_local(spec: str, microbatch_sizes: Sequence[int], depth: int, batch_size: int,
+                  num_microbatches: int, timeout_s: float = 900.0) -> Profile:
+    """A fitted profile of the workload ``spec`` (see ``conveyor.plan.load_workload``), made
+    on two ranks started here, as ``conveyor plan`` uses it.
+
+    Both ranks profile the model at once (each core as busy as in a run) and the two are
+    averaged; the runtime's overheads and the link are measured; then the model runs traced
+    on both ranks in the default schedule, split as the planner would split it with
+    ``num_microbatches``, and the profile is fitted to that run (``fit``).
+    """
+    job = {"spec": spec, "sizes": list(microbatch_sizes), "depth": depth,
+           "batch_size": batch_size, "num_microbatches": num_microbatches}
+    return Profile.from_dict(_on_two_local_ranks(timeout_s, job)["profile"])
+
+
+def _on_two_local_ranks(timeout_s: float, job: dict[str, Any] | None) -> dict[str, Any]:
     import tempfile
 
     import torch.multiprocessing as mp
@@ -160,34 +181,94 @@ def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory, "measured.json")
         context = mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
-            _local_worker, args=(str(Path(directory, "store")), str(out)), nprocs=2, join=False)
+            _local_worker, args=(str(Path(directory, "store")), str(out), job), nprocs=2,
+            join=False)
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"measuring the link between two local ranks took over "
+                    raise RuntimeError(f"measuring on two local ranks took over "
                                        f"{timeout_s:.0f} s; pass --no-link to plan without it")
         finally:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-        data = json.loads(out.read_text())
-    return Overheads(**data["overheads"]), Link(**data["link"])
+        data: dict[str, Any] = json.loads(out.read_text())
+    return data
 
 
-def _local_worker(rank: int, store: str, out: str) -> None:
+def _local_worker(rank: int, store: str, out: str, job: dict[str, Any] | None) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=120))
     try:
         overheads = measure_overheads()
         link = measure_link()
+        result: dict[str, Any] = {"overheads": dataclasses.asdict(overheads),
+                                  "link": dataclasses.asdict(link)}
+        if job is not None:
+            result["profile"] = _fitted_profile(job, overheads, link).to_dict()
         if rank == 0:
-            Path(out).write_text(json.dumps({"overheads": dataclasses.asdict(overheads),
-                                             "link": dataclasses.asdict(link)}))
+            Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def profile_together(workload: Workload, microbatch_sizes: Sequence[int], depth: int = 1,
+                     group: dist.ProcessGroup | None = None) -> Profile:
+    """Every rank of ``group`` profiles the model at the same time, so each core is as busy as
+    in a pipeline run; the medians of all ranks are averaged. Collective."""
+    dist.barrier(group)
+    mine = profile_model(workload, microbatch_sizes, depth=depth, threads=None)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine.to_dict(), group=group)
+    profiles = [Profile.from_dict(d) for d in gathered]
+    count = len(profiles)
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / count
+
+    stats = {size: tuple(dataclasses.replace(
+        units[0], forward=mean([u.forward for u in units]),
+        backward=mean([u.backward for u in units]),
+        backward_input=mean([u.backward_input for u in units]),
+        backward_weight=mean([u.backward_weight for u in units]))
+        for units in zip(*(p.stats[size] for p in profiles), strict=True))
+        for size in mine.stats}
+    loss = {size: (mean([p.loss[size][0] for p in profiles]),
+                   mean([p.loss[size][1] for p in profiles])) for size in mine.loss}
+    return dataclasses.replace(mine, stats=stats, loss=loss)
+
+
+def _fitted_profile(job: dict[str, Any], overheads: Overheads, link: Link) -> Profile:
+    from conveyor.config import PipelineConfig
+    from conveyor.pipeline import Pipeline
+    from conveyor.plan import load_workload, plan
+    from conveyor.schedule import SCHEDULES
+    from conveyor.simulate import ProfileCost, layout, predict
+
+    workload = load_workload(job["spec"])
+    profile = profile_together(workload, job["sizes"], job["depth"])
+    profile = dataclasses.replace(profile, overheads=overheads, link=link)
+    schedule, m, batch = PipelineConfig().schedule, job["num_microbatches"], job["batch_size"]
+    report = plan(workload, 2, 1 << 60, batch, profile=profile, schedules=[schedule],
+                  microbatches=[m], objectives=("time",), checkpointing=False,
+                  time_budget_s=None)
+    chosen = report.best
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in report.pipeline_config(chosen).items()}
+    pipe = Pipeline(workload.model, PipelineConfig(**fields, trace=True),
+                    loss_fn=workload.loss_fn)
+    inputs, targets = workload.batch(batch)
+    for _ in range(12):
+        dist.barrier()
+        pipe.step(inputs, targets)
+    steps = [pipe.timeline(index) for index in range(-10, 0)]  # the first two warm up
+    graph, units = layout(profile, [list(u) for u in chosen.stage_units], list(chosen.placement))
+    predicted = predict(SCHEDULES[schedule](graph, m), graph,
+                        ProfileCost(profile, graph, units, batch / m, m))
+    return fit(profile, steps, predicted.timeline)
 
 
 def _need_two(group: dist.ProcessGroup | None) -> None:

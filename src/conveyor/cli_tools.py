@@ -60,8 +60,9 @@ def add_tool_commands(commands: Any) -> None:
     planner.add_argument("--profile", type=Path, help="reuse a saved profile instead of measuring")
     planner.add_argument("--save-profile", type=Path, help="write the measured profile here")
     planner.add_argument("--no-link", action="store_true",
-                         help="do not start two local ranks to measure runtime overheads and the "
-                         "link (the prediction then leaves them out)")
+                         help="profile in this process only: do not start two local ranks to "
+                         "measure runtime overheads and the link and to fit the profile to a "
+                         "traced run (the prediction then leaves them out)")
     planner.add_argument("--out", type=Path, help="write the best plan to this file")
     planner.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     planner.set_defaults(command=_plan)
@@ -142,7 +143,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from conveyor.plan import measured_profile
 
         profile = measured_profile(workload, args.ranks, args.batch_size, args.microbatches,
-                                   args.schedules)
+                                   args.schedules, spec=args.model)
     report = plan(workload, args.ranks, args.memory, args.batch_size, profile=profile,
                   schedules=args.schedules, microbatches=args.microbatches,
                   objectives=args.balance_by, checkpointing=not args.no_checkpointing)

@@ -393,16 +393,21 @@ class _Candidate:
 
 def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
                      microbatches: Sequence[int] | None = None,
-                     schedules: Sequence[str] | None = None) -> Profile:
+                     schedules: Sequence[str] | None = None, spec: str | None = None) -> Profile:
     """The profile ``plan`` would measure, plus the runtime's overheads and the link between
-    two ranks started on this machine (``conveyor.calibrate.measure_local``)."""
+    two ranks started on this machine; with ``spec`` (the workload's example name or import
+    path) the profile is made on those two ranks and fitted to a traced run
+    (``conveyor.calibrate.profile_local``)."""
+    from conveyor.calibrate import measure_local, profile_local
+
     names = list(SCHEDULES) if schedules is None else list(schedules)
     counts = _counts(batch_size, num_ranks, names, microbatches)
     max_virtual = max(layout_of(n).virtual_stages for n in names)
     depth = _depth_for(workload.model, num_ranks * max_virtual)
+    if spec is not None:
+        middle = sorted(counts)[len(counts) // 2]
+        return profile_local(spec, _sizes(batch_size, counts), depth, batch_size, middle)
     profile = profile_model(workload, _sizes(batch_size, counts), depth=depth)
-    from conveyor.calibrate import measure_local
-
     profile.overheads, profile.link = measure_local()
     return profile
 

@@ -364,8 +364,16 @@ class ProfileCost:
                                  (loss_forward if is_sink else 0.0))
             tail = loss_backward if is_sink else 0.0
             self._backward.append(sum(stats[u].backward for u in members) + tail)
-            self._input.append(sum(stats[u].backward_input for u in members) + tail)
-            self._weight.append(sum(stats[u].backward_weight for u in members))
+            # a stage none of whose inputs needs a gradient (the first) has no input path: its
+            # I has nothing to do, and its W is the whole backward (see conveyor.backward)
+            takes_gradients = any(p >= 0 and stage_of[p] != s
+                                  for u in members for p in profile.units[u].inputs)
+            if takes_gradients:
+                self._input.append(sum(stats[u].backward_input for u in members) + tail)
+                self._weight.append(sum(stats[u].backward_weight for u in members))
+            else:
+                self._input.append(0.0)
+                self._weight.append(self._backward[-1])
             remote = {p for u in members for p in profile.units[u].inputs
                       if p >= 0 and stage_of[p] != s
                       and graph.rank_of(stage_of[p]) != graph.rank_of(s)}
@@ -380,10 +388,7 @@ class ProfileCost:
             self._recomputed.append(received + outputs)
             # after I: what autograd saved (the stage's own saves, and the inputs and outputs
             # it saved) and the gradients W starts from
-            # a stage none of whose inputs needs a gradient (the first) has no input path:
-            # I does nothing and W starts from the gradients of the stage's outputs
-            takes_gradients = any(p >= 0 and stage_of[p] != s
-                                  for u in members for p in profile.units[u].inputs)
+            # without an input path, W starts from the gradients of the stage's outputs
             weight_grads = (sum(stats[u].weight_grad_bytes for u in members) if takes_gradients
                             else sum(stats[u].message_bytes for u in members
                                      if any(stage_of[c] != s for c in consumers[u])))
