@@ -37,12 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import DOC, write_section
 
 from conveyor import Pipeline
-from conveyor.calibrate import fit, measure_link, measure_overheads
+from conveyor.calibrate import fit, measure_link, measure_overheads, profile_together
 from conveyor.graph import place
 from conveyor.profile import (
     Profile,
     Workload,
-    profile_model,
 )
 from conveyor.schedule import SCHEDULES, build_program, layout_of
 from conveyor.simulate import ProfileCost, layout, predict
@@ -139,7 +138,7 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
                    link: Any) -> tuple[list[dict[str, Any]], Profile]:
     workload = model.workload()
     sizes = sorted({model.batch_size // m for m in MICROBATCHES})
-    profile = _profile_on_both(workload, sizes)
+    profile = profile_together(workload, sizes)
     profile = replace(profile, overheads=overheads, link=link)
     configs = []
     for name in SCHEDULES:
@@ -256,21 +255,6 @@ def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[
         targets = [u.target for u in trace_units(fresh)[2]]
         options["stage_modules"] = tuple(",".join(targets[u] for u in stage) for stage in units)
     return Pipeline(fresh, loss_fn=workload.loss_fn, **options)
-
-
-def _profile_on_both(workload: Workload, sizes: list[int]) -> Profile:
-    """Both ranks profile at once (each core busy, as in the run); the medians are averaged."""
-    dist.barrier()
-    profile = profile_model(workload, sizes, threads=None)
-    gathered: list[Any] = [None, None]
-    dist.all_gather_object(gathered, profile.to_dict())
-    mine, other = (Profile.from_dict(d) for d in gathered)
-    stats = {size: tuple(a.scaled(b, 0.5) for a, b in
-                         zip(mine.stats[size], other.stats[size], strict=True))
-             for size in mine.stats}
-    loss = {size: ((mine.loss[size][0] + other.loss[size][0]) / 2,
-                   (mine.loss[size][1] + other.loss[size][1]) / 2) for size in mine.loss}
-    return replace(mine, stats=stats, loss=loss)
 
 
 # -- report ------------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ models; and how long planning a 48-layer model for 64 ranks takes.
 
     python benchmarks/bench_plan.py          # writes the 'plan' section of docs/benchmarks.md
 
-Both ranks profile each model at once (see bench_accuracy.py), the planner plans with that
-profile (memory budget 1 GiB per rank, so memory does not decide), then the plan and every
-grid configuration run interleaved, round by round, every step after a barrier, timed from
-the first rank's start to the last rank's end; medians.
+Both ranks profile each model at once and fit the profile to a traced run, as `conveyor plan`
+does; the planner plans with it (memory budget 1 GiB per rank, so memory does not decide),
+then the plan and every grid configuration run interleaved, round by round, every step after
+a barrier, timed from the first rank's start to the last rank's end; medians.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accuracy import MODELS, Model, _profile_on_both
+from bench_accuracy import MODELS, Model
 from report import write_section
 
 from conveyor import Pipeline
-from conveyor.calibrate import measure_link, measure_overheads
+from conveyor.calibrate import fit_to_run, measure_link, measure_overheads, profile_together
 from conveyor.models.unbalanced import MLPBlock, mse, regression_batch
 from conveyor.plan import plan
 from conveyor.profile import Workload, trace_units
@@ -61,8 +61,11 @@ def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
              link: Any) -> dict[str, Any]:
     workload = model.workload()
     sizes = sorted({model.batch_size // m for m in GRID})
-    profile = _profile_on_both(workload, sizes)
+    profile = profile_together(workload, sizes)
     profile.overheads, profile.link = overheads, link
+    # as conveyor plan does: fit the profile to a traced run (the default schedule)
+    torch.manual_seed(0)
+    profile = fit_to_run(model.workload(), profile, model.batch_size, 4)
     report = plan(workload, 2, BUDGET, model.batch_size, profile=profile, microbatches=GRID)
     chosen = report.pipeline_config()
     configs: list[tuple[str, dict[str, Any]]] = [("plan", chosen)]
@@ -134,7 +137,9 @@ def _markdown(results: list[dict[str, Any]], speed: tuple[float, float, str], co
         "",
         f"Command: `{command}` ({minutes:.1f} min). Machine: 2 CPU cores, 2 ranks on gloo, one "
         f"torch thread each; load average {load[0]:.2f} before, {load[1]:.2f} after (other "
-        "work may have been running). The grid is every schedule x micro-batch counts "
+        "work may have been running). The planner's profile is made on both ranks and fitted "
+        "to a traced run, as `conveyor plan` does. The grid is every schedule x micro-batch "
+        "counts "
         f"{list(GRID)} x the Pipeline's even split; everything runs interleaved in one session "
         "(medians of barrier-synchronised steps).",
         "",

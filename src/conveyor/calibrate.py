@@ -28,8 +28,8 @@ from conveyor.comm import P2P, Meta
 from conveyor.profile import Link, Overheads, Profile, Workload, profile_model
 from conveyor.trace import Timeline
 
-__all__ = ["fit", "measure_link", "measure_local", "measure_overheads", "profile_local",
-           "profile_together"]
+__all__ = ["fit", "fit_to_run", "measure_link", "measure_local", "measure_overheads",
+           "profile_local", "profile_together"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,33 +242,43 @@ def profile_together(workload: Workload, microbatch_sizes: Sequence[int], depth:
 
 
 def _fitted_profile(job: dict[str, Any], overheads: Overheads, link: Link) -> Profile:
-    from conveyor.config import PipelineConfig
-    from conveyor.pipeline import Pipeline
-    from conveyor.plan import load_workload, plan
-    from conveyor.schedule import SCHEDULES
-    from conveyor.simulate import ProfileCost, layout, predict
+    from conveyor.plan import load_workload
 
     workload = load_workload(job["spec"])
     profile = profile_together(workload, job["sizes"], job["depth"])
     profile = dataclasses.replace(profile, overheads=overheads, link=link)
-    schedule, m, batch = PipelineConfig().schedule, job["num_microbatches"], job["batch_size"]
-    report = plan(workload, 2, 1 << 60, batch, profile=profile, schedules=[schedule],
+    return fit_to_run(workload, profile, job["batch_size"], job["num_microbatches"])
+
+
+def fit_to_run(workload: Workload, profile: Profile, batch_size: int, num_microbatches: int,
+               group: dist.ProcessGroup | None = None, steps: int = 10) -> Profile:
+    """``profile`` fitted (``fit``) to ``steps`` traced steps of the model on the ranks of
+    ``group``, in the default schedule, split as the planner would split it. Collective."""
+    from conveyor.config import PipelineConfig
+    from conveyor.pipeline import Pipeline
+    from conveyor.plan import plan
+    from conveyor.schedule import SCHEDULES
+    from conveyor.simulate import ProfileCost, layout, predict
+
+    schedule, m, batch = PipelineConfig().schedule, num_microbatches, batch_size
+    num_ranks = dist.get_world_size(group)
+    report = plan(workload, num_ranks, 1 << 60, batch, profile=profile, schedules=[schedule],
                   microbatches=[m], objectives=("time",), checkpointing=False,
                   time_budget_s=None)
     chosen = report.best
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                               for k, v in report.pipeline_config(chosen).items()}
     pipe = Pipeline(workload.model, PipelineConfig(**fields, trace=True),
-                    loss_fn=workload.loss_fn)
+                    loss_fn=workload.loss_fn, group=group)
     inputs, targets = workload.batch(batch)
-    for _ in range(12):
-        dist.barrier()
+    for _ in range(steps + 2):  # two to warm up
+        dist.barrier(group)
         pipe.step(inputs, targets)
-    steps = [pipe.timeline(index) for index in range(-10, 0)]  # the first two warm up
+    measured = [pipe.timeline(index) for index in range(-steps, 0)]
     graph, units = layout(profile, [list(u) for u in chosen.stage_units], list(chosen.placement))
     predicted = predict(SCHEDULES[schedule](graph, m), graph,
                         ProfileCost(profile, graph, units, batch / m, m))
-    return fit(profile, steps, predicted.timeline)
+    return fit(profile, measured, predicted.timeline)
 
 
 def _need_two(group: dist.ProcessGroup | None) -> None:
