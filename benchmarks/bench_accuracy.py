@@ -106,7 +106,7 @@ def _tower_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]],
 
 MODELS = [
     Model("gpt", _gpt, 32, _chain_layouts),
-    Model("unbalanced", _unbalanced, 32, _chain_layouts),
+    Model("unbalanced", _unbalanced, 64, _chain_layouts),
     Model("two-tower", _two_tower, 32, _tower_layouts),
 ]
 MICROBATCHES = (4, 8)
