@@ -292,9 +292,11 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
 # A profile measures units one by one in one process; a pipeline runs them in stages, on two
 # busy cores, between messages. What that changes (caches, memory traffic, the other rank)
 # is hard to measure apart but easy to see in a trace: run one configuration with tracing,
-# predict the same configuration, and compare each kind of action summed over the step. The
-# ratios then scale the profile, and predictions of other configurations (other schedules,
-# micro-batch counts, splits) carry the machine's behaviour with them.
+# predict the same configuration, and compare each action's measured and predicted duration.
+# The median ratio of each kind (forward, backward, I, W, send, receive) then scales the
+# profile, and predictions of other configurations (other schedules, micro-batch counts,
+# splits) carry the machine's behaviour with them. Medians, because another process on the
+# machine can stretch any one action.
 def fit(profile: Profile, measured: Timeline | Sequence[Timeline],
         predicted: Timeline) -> Profile:
     """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
@@ -305,16 +307,16 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline],
         ValueError: the timelines share no kind of action.
     """
     steps = [measured] if isinstance(measured, Timeline) else list(measured)
-
-    def total(timeline: Timeline, kind: str) -> float:
-        return sum(e.duration for e in timeline.events if e.kind == kind)
-
-    factor: dict[str, float] = {}
-    for kind in ("forward", "backward", "backward_input", "backward_weight", "send", "recv"):
-        expected = total(predicted, kind)
-        seen = sum(total(step, kind) for step in steps) / max(len(steps), 1)
-        if expected > 0 and seen > 0:
-            factor[kind] = seen / expected
+    expected = {(e.rank, e.action): e for e in predicted.events if e.kind != "wait"}
+    ratios: dict[str, list[float]] = {}
+    for step in steps:  # action by action, so that one preempted action counts once
+        for e in step.events:
+            match = expected.get((e.rank, e.action))
+            if match is not None and match.duration > 0 and e.duration > 0:
+                ratios.setdefault(e.kind, []).append(e.duration / match.duration)
+    factor = {kind: statistics.median(values) for kind, values in ratios.items()
+              if kind in ("forward", "backward", "backward_input", "backward_weight", "send",
+                          "recv")}
     if not factor:
         raise ValueError("the measured and predicted timelines share no kind of action; pass "
                          "a traced step and the prediction of the same configuration")
