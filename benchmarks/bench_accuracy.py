@@ -181,7 +181,7 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
             "model": model.name, "schedule": name, "stages": len(units), "microbatches": m,
             "measured_s": statistics.median(measured), "predicted_s": prediction.step_time,
             "unfitted_s": raw.step_time, "fitted_on": fitted_on,
-            "is_fit": (name, len(units), m) == fitted_on,
+            "is_fit": (name, len(units), m) in fitted_on,
             "measured_peak": peaks, "predicted_peak": list(prediction.peak_activation)})
         if rank == 0:
             print(f"{model.name:<11}{name:<17}{len(units)} stages m={m}: measured "
@@ -192,19 +192,25 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
 
 
 def _fitted(model: Model, workload: Workload, profile: Profile, configs: list[Any],
-            inputs: Any, targets: Any) -> tuple[Profile, tuple[str, int, int]]:
-    """The profile fitted to one traced configuration (1F1B, the fewest micro-batches)."""
-    name, units, placement, m, _ = next(
-        (c for c in configs if c[0] == "1f1b" and c[3] == min(MICROBATCHES)), configs[0])
-    pipe = _pipeline(model, workload, name, units, placement, m, trace=True)
-    for _ in range(12):
-        dist.barrier()
-        pipe.step(inputs, targets)
-    kept = [pipe.timeline(step) for step in range(-10, 0)]  # the first two warm up
-    graph, stage_units = layout(profile, units, placement)
-    predicted = predict(build_program(name, graph, m), graph,
-                        ProfileCost(profile, graph, stage_units, model.batch_size / m, m))
-    return fit(profile, kept, predicted.timeline), (name, len(units), m)
+            inputs: Any, targets: Any) -> tuple[Profile, list[tuple[str, int, int]]]:
+    """The profile fitted to 1F1B at each micro-batch count (the first also fits the
+    runtime's overheads), as ``conveyor.calibrate.fit_to_run`` does for the planner."""
+    fitted, used = profile, []
+    for index, count in enumerate(MICROBATCHES):
+        name, units, placement, m, _ = next(
+            (c for c in configs if c[0] == "1f1b" and c[3] == count), configs[0])
+        pipe = _pipeline(model, workload, name, units, placement, m, trace=True)
+        for _ in range(12):
+            dist.barrier()
+            pipe.step(inputs, targets)
+        kept = [pipe.timeline(step) for step in range(-10, 0)]  # the first two warm up
+        graph, stage_units = layout(fitted, units, placement)
+        predicted = predict(build_program(name, graph, m), graph,
+                            ProfileCost(fitted, graph, stage_units, model.batch_size / m, m))
+        fitted = fit(fitted, kept, predicted.timeline,
+                     None if index == 0 else model.batch_size // m)
+        used.append((name, len(units), m))
+    return fitted, used
 
 
 def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]:
@@ -294,9 +300,10 @@ def _markdown(results: list[dict[str, Any]], tracing: dict[str, float], command:
         f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
         "(other work may have been running). Each model is profiled on both ranks at once and "
         "the two profiles averaged; runtime overheads and the link are measured on the same "
-        "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to one traced "
-        "configuration per model, 1F1B with the fewest micro-batches (marked), and predicts "
-        "every other one; the unfitted profile's predictions are shown too. Each "
+        "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to traced runs of "
+        "1F1B at each micro-batch count (marked; that is what `conveyor plan` does too), and "
+        "predicts every other configuration; the unfitted profile's predictions are shown "
+        "too. Each "
         "configuration runs interleaved with the others, every step after a barrier, timed "
         "from the first rank's start to the last rank's end (median of all rounds); peak "
         "activation memory is the runtime meter's.",

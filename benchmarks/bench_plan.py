@@ -65,7 +65,7 @@ def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
     profile.overheads, profile.link = overheads, link
     # as conveyor plan does: fit the profile to a traced run (the default schedule)
     torch.manual_seed(0)
-    profile = fit_to_run(model.workload(), profile, model.batch_size, 4)
+    profile = fit_to_run(model.workload(), profile, model.batch_size, GRID)
     report = plan(workload, 2, BUDGET, model.batch_size, profile=profile, microbatches=GRID)
     chosen = report.pipeline_config()
     configs: list[tuple[str, dict[str, Any]]] = [("plan", chosen)]

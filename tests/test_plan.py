@@ -230,7 +230,7 @@ def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run()
     from conveyor.calibrate import profile_local
 
     profile = profile_local("test_plan:_factory", [2, 4], depth=1, batch_size=8,
-                            num_microbatches=2, timeout_s=240)
+                            microbatch_counts=[2, 4], timeout_s=240)
     assert profile.link is not None and profile.overheads.forward > 0
     assert sorted(profile.stats) == [2, 4] and profile.num_units == 12
     assert all(forward > 0 and backward > 0 for forward, backward in

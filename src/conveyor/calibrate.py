@@ -159,17 +159,17 @@ def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
 
 
 def profile_local(spec: str, microbatch_sizes: Sequence[int], depth: int, batch_size: int,
-                  num_microbatches: int, timeout_s: float = 900.0) -> Profile:
+                  microbatch_counts: Sequence[int], timeout_s: float = 900.0) -> Profile:
     """A fitted profile of the workload ``spec`` (see ``conveyor.plan.load_workload``), made
     on two ranks started here, as ``conveyor plan`` uses it.
 
     Both ranks profile the model at once (each core as busy as in a run) and the two are
     averaged; the runtime's overheads and the link are measured; then the model runs traced
     on both ranks in the default schedule, split as the planner would split it with
-    ``num_microbatches``, and the profile is fitted to that run (``fit``).
+    each of ``microbatch_counts``, and the profile is fitted to those runs (``fit_to_run``).
     """
     job = {"spec": spec, "sizes": list(microbatch_sizes), "depth": depth,
-           "batch_size": batch_size, "num_microbatches": num_microbatches}
+           "batch_size": batch_size, "counts": list(microbatch_counts)}
     return Profile.from_dict(_on_two_local_ranks(timeout_s, job)["profile"])
 
 
@@ -247,24 +247,38 @@ def _fitted_profile(job: dict[str, Any], overheads: Overheads, link: Link) -> Pr
     workload = load_workload(job["spec"])
     profile = profile_together(workload, job["sizes"], job["depth"])
     profile = dataclasses.replace(profile, overheads=overheads, link=link)
-    return fit_to_run(workload, profile, job["batch_size"], job["num_microbatches"])
+    return fit_to_run(workload, profile, job["batch_size"], job["counts"])
 
 
-def fit_to_run(workload: Workload, profile: Profile, batch_size: int, num_microbatches: int,
-               group: dist.ProcessGroup | None = None, steps: int = 10) -> Profile:
+def fit_to_run(workload: Workload, profile: Profile, batch_size: int,
+               microbatch_counts: int | Sequence[int], group: dist.ProcessGroup | None = None,
+               steps: int = 10) -> Profile:
     """``profile`` fitted (``fit``) to ``steps`` traced steps of the model on the ranks of
-    ``group``, in the default schedule, split as the planner would split it. Collective."""
+    ``group``, in the default schedule, split as the planner would split it, once per
+    micro-batch count: the first fits every size and the runtime's overheads, each further
+    one its own micro-batch size. Collective."""
+    counts = [microbatch_counts] if isinstance(microbatch_counts, int) else list(microbatch_counts)
+    fitted = profile
+    for index, m in enumerate(counts):
+        measured, predicted = _traced_and_predicted(workload, fitted, batch_size, m, group, steps)
+        size = round(batch_size / m)
+        fitted = fit(fitted, measured, predicted, None if index == 0 else size)
+    return fitted
+
+
+def _traced_and_predicted(workload: Workload, profile: Profile, batch: int, m: int,
+                          group: dist.ProcessGroup | None,
+                          steps: int) -> tuple[list[Timeline], Timeline]:
     from conveyor.config import PipelineConfig
     from conveyor.pipeline import Pipeline
     from conveyor.plan import plan
     from conveyor.schedule import SCHEDULES
     from conveyor.simulate import ProfileCost, layout, predict
 
-    schedule, m, batch = PipelineConfig().schedule, num_microbatches, batch_size
-    num_ranks = dist.get_world_size(group)
-    report = plan(workload, num_ranks, 1 << 60, batch, profile=profile, schedules=[schedule],
-                  microbatches=[m], objectives=("time",), checkpointing=False,
-                  time_budget_s=None)
+    schedule = PipelineConfig().schedule
+    report = plan(workload, dist.get_world_size(group), 1 << 60, batch, profile=profile,
+                  schedules=[schedule], microbatches=[m], objectives=("time",),
+                  checkpointing=False, time_budget_s=None)
     chosen = report.best
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                               for k, v in report.pipeline_config(chosen).items()}
@@ -278,7 +292,7 @@ def fit_to_run(workload: Workload, profile: Profile, batch_size: int, num_microb
     graph, units = layout(profile, [list(u) for u in chosen.stage_units], list(chosen.placement))
     predicted = predict(SCHEDULES[schedule](graph, m), graph,
                         ProfileCost(profile, graph, units, batch / m, m))
-    return fit(profile, measured, predicted.timeline)
+    return measured, predicted.timeline
 
 
 def _need_two(group: dist.ProcessGroup | None) -> None:
@@ -297,11 +311,14 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
 # profile, and predictions of other configurations (other schedules, micro-batch counts,
 # splits) carry the machine's behaviour with them. Medians, because another process on the
 # machine can stretch any one action.
-def fit(profile: Profile, measured: Timeline | Sequence[Timeline],
-        predicted: Timeline) -> Profile:
+def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Timeline,
+        microbatch_size: int | None = None) -> Profile:
     """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
-    of the configuration that ran) would match ``measured`` (one step, or several, averaged)
-    kind by kind.
+    of the configuration that ran) would match ``measured`` (one step, or several) kind by
+    kind.
+
+    With ``microbatch_size`` only that size's unit costs are scaled (fit each size with a run
+    of its own); without, every size's, and the runtime's overheads too.
 
     Raises:
         ValueError: the timelines share no kind of action.
@@ -324,11 +341,20 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline],
     forward = factor.get("forward", 1.0)
     inputs = factor.get("backward_input", backward)
     weights = factor.get("backward_weight", backward)
+    sizes = set(profile.stats) if microbatch_size is None else {microbatch_size}
     stats = {size: tuple(dataclasses.replace(
         s, forward=s.forward * forward, backward=s.backward * backward,
         backward_input=s.backward_input * inputs, backward_weight=s.backward_weight * weights)
-        for s in values) for size, values in profile.stats.items()}
-    loss = {size: (f * forward, b * backward) for size, (f, b) in profile.loss.items()}
+        for s in values) if size in sizes else values for size, values in profile.stats.items()}
+    loss = {size: (f * forward, b * backward) if size in sizes else (f, b)
+            for size, (f, b) in profile.loss.items()}
+    calibration = {size: (f * forward, b * backward) if size in sizes else (f, b)
+                   for size, (f, b) in (profile.calibration or
+                                        {s: (1.0, 1.0) for s in profile.stats}).items()}
+    if microbatch_size is not None:
+        logger.info("fitted %s at micro-batch size %d: %s", profile.model, microbatch_size,
+                    ", ".join(f"{k} x{v:.2f}" for k, v in factor.items()))
+        return dataclasses.replace(profile, stats=stats, loss=loss, calibration=calibration)
     overheads = dataclasses.replace(
         profile.overheads, forward=profile.overheads.forward * forward,
         backward=profile.overheads.backward * backward,
@@ -338,8 +364,6 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline],
     if link is not None:
         link = dataclasses.replace(link, send_per_byte=link.send_per_byte * factor.get("send", 1.0),
                                    recv_per_byte=link.recv_per_byte * factor.get("recv", 1.0))
-    calibration = {size: (f * forward, b * backward) for size, (f, b) in
-                   (profile.calibration or {s: (1.0, 1.0) for s in profile.stats}).items()}
     logger.info("fitted %s to a measured step: %s", profile.model,
                 ", ".join(f"{k} x{v:.2f}" for k, v in factor.items()))
     return dataclasses.replace(profile, stats=stats, loss=loss, overheads=overheads, link=link,

@@ -405,8 +405,8 @@ def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
     max_virtual = max(layout_of(n).virtual_stages for n in names)
     depth = _depth_for(workload.model, num_ranks * max_virtual)
     if spec is not None:
-        middle = sorted(counts)[len(counts) // 2]
-        return profile_local(spec, _sizes(batch_size, counts), depth, batch_size, middle)
+        return profile_local(spec, _sizes(batch_size, counts), depth, batch_size,
+                             [m for m in counts if batch_size % m == 0])
     profile = profile_model(workload, _sizes(batch_size, counts), depth=depth)
     profile.overheads, profile.link = measure_local()
     return profile
