@@ -153,14 +153,23 @@ def test_fit_scales_the_profile_to_a_measured_step() -> None:
     graph, units = layout(profile, split_units(profile.num_units, [2, 3]))
     program = build_program("1f1b", graph, 4)
     predicted = predict(program, graph, ProfileCost(profile, graph, units, 2, 4)).timeline
-    slower = {"forward": 1.5, "backward": 2.0, "send": 3.0}  # what the "machine" did
-    measured = Timeline(2, [Event(e.rank, e.action, e.start, e.start + e.duration *
-                                  slower.get(e.kind, 1.0)) for e in predicted.events])
+    slower = {"forward": 1.5, "backward": 2.0}  # what the "machine" did
+    compute = Timeline(2, [Event(e.rank, e.action, e.start, e.start + e.duration *
+                                 slower.get(e.kind, 1.0)) for e in predicted.events])
+    measured = compute
+    for _ in range(3):  # calls take 0.1 ms more, plus 2 ms per unit of their rank's busy share
+        busy = [measured.busy_time(r) / measured.step_time for r in range(2)]
+        measured = Timeline(2, [e if e.kind not in ("send", "recv") else
+                                Event(e.rank, e.action, e.start,
+                                      e.end + 1e-4 + 2e-3 * busy[e.rank])
+                                for e in compute.events])
     fitted = fit(profile, measured, predicted)
     again = predict(program, graph, ProfileCost(fitted, graph, units, 2, 4)).timeline
     for kind, factor in slower.items():
         want = sum(e.duration for e in predicted.events if e.kind == kind) * factor
         assert sum(e.duration for e in again.events if e.kind == kind) == pytest.approx(want)
+    assert fitted.overheads.busy_call == pytest.approx(2e-3, rel=0.3)
+    assert fitted.overheads.send - profile.overheads.send == pytest.approx(1e-4, abs=1e-4)
     assert fitted.calibration[2][1] == pytest.approx(profile.calibration[2][1] * 2.0)
     with pytest.raises(ValueError, match="share no kind of action"):
         fit(profile, Timeline(2), predicted)

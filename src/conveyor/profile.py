@@ -123,6 +123,10 @@ class Overheads:
     """Collecting a receive that has already arrived."""
     step: float = 0.0
     """Once per step: splitting the batch into micro-batches and finishing the step."""
+    busy_call: float = 0.0
+    """Extra seconds a send or a receive's posting takes per unit of its rank's busy share:
+    on a rank that computes most of the time, the transport's own threads have to take the
+    core back first (``conveyor.calibrate.fit`` measures it; see Note [busy ranks])."""
 
 
 @dataclass(frozen=True)

@@ -344,6 +344,8 @@ class ProfileCost:
         self.profile = profile
         self.graph = graph
         self.num_microbatches = num_microbatches
+        self.busy_share: dict[int, float] = {}
+        """Each rank's share of the step spent computing (set by ``predict``)."""
         self.microbatch_size = microbatch_size
         self.modes = ([checkpoint] * graph.num_stages if isinstance(checkpoint, str)
                       else list(checkpoint))
@@ -452,11 +454,12 @@ class ProfileCost:
 
     def overhead(self, action: Action) -> float:
         overheads, link = self.profile.overheads, self.profile.link
+        busy = overheads.busy_call * self.busy_share.get(self.graph.rank_of(action.stage), 0.0)
         if action.kind.is_send:
             per_byte = 0.0 if link is None else link.send_per_byte
-            return overheads.send + per_byte * self.message_bytes(action)
+            return overheads.send + per_byte * self.message_bytes(action) + busy
         per_byte = 0.0 if link is None else link.recv_per_byte
-        return overheads.recv + per_byte * self.message_bytes(action)
+        return overheads.recv + per_byte * self.message_bytes(action) + busy
 
     def wait(self, action: Action) -> float:
         return self.profile.overheads.wait
@@ -525,6 +528,11 @@ def predict(program: Program, graph: StageGraph, cost: ProfileCost,
 
     With ``record=False`` the Timeline is left empty (faster); the figures are the same.
     """
+    if cost.profile.overheads.busy_call:  # See Note [busy ranks]: simulate again, knowing them
+        first = _Execution(program, graph, cost, False)
+        first.run()
+        span = max(first.clock) or 1.0
+        cost.busy_share = {r: busy / span for r, busy in enumerate(first.busy)}
     execution = _Execution(program, graph, cost, record)
     timeline = execution.run()
     timeline.meta.update({"microbatches": program.num_microbatches, "model": cost.profile.model})
