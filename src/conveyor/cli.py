@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="conveyor", description="Pipeline-parallel training: run scripts on N ranks, "
+        "train the demo, simulate schedules, plan a configuration, render timelines.")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
