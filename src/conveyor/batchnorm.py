@@ -140,8 +140,9 @@ class DeferredBatchNorm(nn.Module):
         factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                   else self.momentum)
         unbiased = self._m2 / max(self._count - 1, 1)
-        self.running_mean.mul_(1 - factor).add_(self._mean.to(self.running_mean.dtype), alpha=factor)
-        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        mean, var = self._mean.to(self.running_mean.dtype), unbiased.to(self.running_var.dtype)
+        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        self.running_var.mul_(1 - factor).add_(var, alpha=factor)
         self._count = self._seen = 0
         self._mean = self._m2 = None
 
