@@ -307,10 +307,12 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
 # busy cores, between messages. What that changes (caches, memory traffic, the other rank)
 # is hard to measure apart but easy to see in a trace: run one configuration with tracing,
 # predict the same configuration, and compare each action's measured and predicted duration.
-# The median ratio of each kind (forward, backward, I, W, send, receive) then scales the
-# profile, and predictions of other configurations (other schedules, micro-batch counts,
-# splits) carry the machine's behaviour with them. Medians, because another process on the
-# machine can stretch any one action.
+# For each kind of compute (forward, backward, I, W) a line measured = scale x predicted +
+# extra through the actions (heavy and light stages tell the two apart) scales the profile's
+# units and adds to the runtime's per-action overhead; sends and receives follow Note [busy
+# ranks]. Predictions of other configurations (other schedules, micro-batch counts, splits)
+# then carry the machine's behaviour with them. Each action counts with its median over the
+# steps, because another process on the machine can stretch any one of them.
 def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Timeline,
         microbatch_size: int | None = None) -> Profile:
     """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
@@ -325,18 +327,23 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
     """
     steps = [measured] if isinstance(measured, Timeline) else list(measured)
     expected = {(e.rank, e.action): e for e in predicted.events if e.kind != "wait"}
-    ratios: dict[str, list[float]] = {}
-    for step in steps:  # action by action, so that one preempted action counts once
+    seen: dict[tuple[int, str], list[float]] = {}
+    for step in steps:  # each action's median over the steps: one preempted step counts once
         for e in step.events:
-            match = expected.get((e.rank, e.action))
-            if match is not None and match.duration > 0 and e.duration > 0:
-                ratios.setdefault(e.kind, []).append(e.duration / match.duration)
-    factor = {kind: statistics.median(values) for kind, values in ratios.items()
-              if kind in ("forward", "backward", "backward_input", "backward_weight")}
+            if (e.rank, e.action) in expected and e.duration > 0:
+                seen.setdefault((e.rank, e.action), []).append(e.duration)
+    lines: dict[str, tuple[float, float]] = {}
+    for kind in ("forward", "backward", "backward_input", "backward_weight"):
+        pairs = [(expected[key].duration, statistics.median(values))
+                 for key, values in seen.items() if expected[key].kind == kind
+                 and expected[key].duration > 0]
+        if pairs:
+            lines[kind] = _line(pairs)
     calls = _busy_calls(steps, expected)
-    if not factor:
+    if not lines:
         raise ValueError("the measured and predicted timelines share no kind of action; pass "
                          "a traced step and the prediction of the same configuration")
+    factor = {kind: scale for kind, (scale, _) in lines.items()}
     backward = factor.get("backward", 1.0)
     forward = factor.get("forward", 1.0)
     inputs = factor.get("backward_input", backward)
@@ -357,8 +364,10 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
         return dataclasses.replace(profile, stats=stats, loss=loss, calibration=calibration)
     extra, per_busy = calls
     old = profile.overheads
+    backward_extra = lines.get("backward", lines.get("backward_input", (1.0, 0.0)))[1]
     overheads = dataclasses.replace(
-        old, forward=old.forward * forward, backward=old.backward * backward,
+        old, forward=max(0.0, old.forward * forward + lines.get("forward", (1.0, 0.0))[1]),
+        backward=max(0.0, old.backward * backward + backward_extra),
         send=max(0.0, old.send + extra), recv=max(0.0, old.recv + extra),
         busy_call=max(0.0, old.busy_call + per_busy))
     logger.info("fitted %s to a measured step: %s; calls +%.3f ms, +%.3f ms per busy share",
@@ -366,6 +375,20 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
                 extra * 1e3, per_busy * 1e3)
     return dataclasses.replace(profile, stats=stats, loss=loss, overheads=overheads,
                                calibration=calibration)
+
+
+def _line(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(scale, extra): measured = scale x predicted + extra per action, by least squares when
+    the actions' predicted durations differ enough (heavy and light stages), else the median
+    ratio and no extra."""
+    xs = [x for x, _ in pairs]
+    ys = [y for _, y in pairs]
+    if len(pairs) < 2 or max(xs) - min(xs) < 0.25 * max(xs):
+        return statistics.median(y / x for x, y in pairs), 0.0
+    scale, extra = _fit(xs, ys)
+    scale = min(max(scale, 0.5), 2.0)
+    extra = statistics.median(y - scale * x for x, y in pairs)
+    return scale, max(extra, -0.5 * min(xs))
 
 
 # See Note [busy ranks]
