@@ -115,7 +115,7 @@ def _completeness(counts: Counter[tuple[int, Kind, int]], graph: StageGraph,
             i, w = counts[(stage, Kind.I, k)], counts[(stage, Kind.W, k)]
             if f != 1:
                 problems.append(f"stage {stage} micro-batch {k}: {f} forwards, expected 1")
-            if is_training and not (b == 1 and i == w == 0 or b == 0 and i == w == 1):
+            if is_training and not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
                 problems.append(f"stage {stage} micro-batch {k}: {b} B, {i} I and {w} W actions; "
                                 "expected one B, or one I and one W")
     return problems
