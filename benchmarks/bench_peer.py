@@ -17,9 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,43 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section
 
 import conveyor
+from conveyor.memory import LiveSavedTensors
 from conveyor.models import gpt, gpt_loss, text_batches
 
 PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-class LiveActivations:
-    """Peak bytes of tensors autograd saves for backward and has not freed yet, for any
-    framework: storages are counted once, parameters never."""
-
-    def __init__(self, parameters: list[torch.Tensor]) -> None:
-        self.excluded = {p.untyped_storage().data_ptr() for p in parameters}
-        self.live: dict[int, list[int]] = {}  # storage -> [bytes, tensors alive]
-        self.bytes = self.peak = 0
-
-    @contextmanager
-    def watching(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in self.excluded:
-            return tensor
-        entry = self.live.setdefault(pointer, [tensor.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.bytes += entry[0]
-            self.peak = max(self.peak, self.bytes)
-        entry[1] += 1
-        weakref.finalize(tensor, self._free, pointer)
-        return tensor
-
-    def _free(self, pointer: int) -> None:
-        entry = self.live[pointer]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.bytes -= entry[0]
-            del self.live[pointer]
 
 
 def model(args: argparse.Namespace) -> nn.Sequential:
@@ -136,14 +101,15 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     for _ in range(args.repeats):
         for name, step in runs.items():
             times[name] += timed(step, args.steps)
-    # memory, in untimed steps: conveyor's own meter (its saved-tensor hooks are innermost),
-    # and the same saved-tensor accounting wrapped around torch.pipelining
+    # memory, in untimed steps: saved tensors alive, by conveyor's meter (which uses
+    # LiveSavedTensors) and by LiveSavedTensors wrapped around torch.pipelining
     ours.reset_memory()
     conveyor_step()
-    meter = LiveActivations(list(local.parameters()))
-    with meter.watching():
+    live = LiveSavedTensors(local.parameters())
+    with live.watching():
         peer_step()
-    for name, peak in (("conveyor", ours.memory().peak_bytes), ("torch.pipelining", meter.peak)):
+    for name, peak in (("conveyor", ours.memory().peak_saved_bytes),
+                       ("torch.pipelining", live.peak_bytes)):
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, peak)
         times[f"peak {name}"] = [float(v) for v in gathered]
@@ -182,11 +148,13 @@ def render(args: argparse.Namespace, rows: list[tuple[str, dict[str, list[float]
         "## conveyor vs torch.distributed.pipelining vs plain training",
         "",
         f"GPT with {args.layers} blocks, d_model {args.dim}, sequence {args.seq_len}, batch {b}, "
-        f"{m} micro-batches, split {first}/{args.layers + 2 - first} layers over 2 ranks (gloo, 1 thread per rank), no dropout. Median of "
+        f"{m} micro-batches, split {first}/{args.layers + 2 - first} layers over 2 ranks "
+        "(gloo, 1 thread per rank), no dropout. Median of "
         f"{args.repeats} x {args.steps} steps per row, the rows alternating in one run. "
         "Ideal pipeline throughput = p x plain 1-thread throughput on micro-batch-sized "
         "batches x m / (m + p - 1). Peak activation bytes: tensors autograd saved for backward "
-        "and had not freed, per rank, measured the same way for both pipelines.",
+        "and had not freed, per rank, measured the same way for both pipelines "
+        "(conveyor.memory.LiveSavedTensors).",
         "",
         f"Command: `python benchmarks/bench_peer.py` on {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}.",

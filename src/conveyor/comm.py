@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from conveyor.trace import Recorder
 
-__all__ = ["LeafMeta", "Meta", "P2P", "PeerLostError", "Receive"]
+__all__ = ["P2P", "LeafMeta", "Meta", "PeerLostError", "Receive"]
 
 logger = logging.getLogger(__name__)
 
