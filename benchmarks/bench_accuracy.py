@@ -252,7 +252,8 @@ def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[
     torch.manual_seed(0)
     fresh = model.workload().model
     options: dict[str, Any] = {"schedule": schedule, "num_microbatches": m,
-                               "placement": tuple(placement), "trace": trace}
+                               "placement": tuple(placement), "trace": trace,
+                               "measure_memory": True}
     if isinstance(fresh, torch.nn.Sequential):
         options["balance"] = tuple(len(u) for u in units)
     else:

@@ -103,7 +103,8 @@ def towers_worker(rank: int, args: argparse.Namespace) -> None:
             graph = split_by_modules(copy.deepcopy(model), STAGES, relay_skips=kind == "chain")
             pipes[(m, kind)] = conveyor.Pipeline(graph, num_microbatches=m,
                                                  schedule=args.schedule,
-                                                 loss_fn=classification_loss)
+                                                 loss_fn=classification_loss,
+                                                 measure_memory=True)
             batches[(m, kind)] = (inputs, labels)
     results = _measure(pipes, batches, args.repeats, args.warmup)
     if rank == 0:
@@ -120,7 +121,7 @@ def unet_worker(rank: int, args: argparse.Namespace) -> None:
     pipes = {kind: conveyor.Pipeline(split_model(copy.deepcopy(model), points,
                                                  relay_skips=kind == "relayed"),
                                      num_microbatches=m, schedule=args.schedule,
-                                     loss_fn=segmentation_loss)
+                                     loss_fn=segmentation_loss, measure_memory=True)
              for kind in ("direct", "relayed")}
     results = _measure(pipes, dict.fromkeys(pipes, (images, masks)), args.unet_repeats,
                        args.warmup)

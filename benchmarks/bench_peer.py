@@ -103,12 +103,14 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             times[name] += timed(step, args.steps)
     # memory, in untimed steps: saved tensors alive, by conveyor's meter (which uses
     # LiveSavedTensors) and by LiveSavedTensors wrapped around torch.pipelining
-    ours.reset_memory()
-    conveyor_step()
+    metered = conveyor.Pipeline(model(args), balance=[half, args.layers + 2 - half],
+                                num_microbatches=args.microbatches, schedule=args.schedule,
+                                loss_fn=gpt_loss, measure_memory=True)
+    metered.step(x, y)
     live = LiveSavedTensors(local.parameters())
     with live.watching():
         peer_step()
-    for name, peak in (("conveyor", ours.memory().peak_saved_bytes),
+    for name, peak in (("conveyor", metered.memory().peak_saved_bytes),
                        ("torch.pipelining", live.peak_bytes)):
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, peak)

@@ -120,20 +120,19 @@ class Runs:
 def add_conveyor(runs: Runs, case: Case, args: argparse.Namespace, rank: int,
                  x: torch.Tensor, y: torch.Tensor) -> None:
     stages = layout_of(case.name).virtual_stages * RANKS
-    pipe = conveyor.Pipeline(model(args), balance=balance(args.layers, stages),
-                             schedule=case.name, num_microbatches=args.microbatches,
-                             loss_fn=gpt_loss, timeout_s=300)
+    pipe, metered = (conveyor.Pipeline(model(args), balance=balance(args.layers, stages),
+                                       schedule=case.name, num_microbatches=args.microbatches,
+                                       loss_fn=gpt_loss, timeout_s=300, measure_memory=measured)
+                     for measured in (False, True))
     optimizerless = list(pipe.parameters())
 
     def step() -> None:
         pipe.step(x, y)
 
     def memory() -> dict[str, float]:
-        pipe.reset_memory()
-        pipe.step(x, y)
-        report = pipe.memory()
-        for p in optimizerless:
-            p.grad = None
+        metered.reset_memory()
+        metered.step(x, y)
+        report = metered.memory()
         return {"saved": report.peak_saved_bytes, "sets": report.peak_microbatches,
                 "theory": alive_peak(pipe.program[rank])}
 

@@ -33,11 +33,11 @@ def main() -> None:
     if args.auto:
         pipe = conveyor.Pipeline(model, auto_split=True, example_inputs=batches[0][0],
                                  num_microbatches=4, schedule=args.schedule,
-                                 loss_fn=classification_loss)
+                                 loss_fn=classification_loss, measure_memory=True)
     else:
         pipe = conveyor.Pipeline(model, stage_modules=("text", "image", "head"),
                                  num_microbatches=4, schedule=args.schedule,
-                                 loss_fn=classification_loss)
+                                 loss_fn=classification_loss, measure_memory=True)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step, (inputs, labels) in enumerate(batches, start=1):
         loss = pipe.step(inputs, labels)  # inputs: {"tokens", "patches", "mask"}

@@ -35,10 +35,11 @@ def main() -> None:
         graph = split_model(model, balance_to_split_points(model, [2, 2, 2, 2]),
                             relay_skips=True)
         pipe = conveyor.Pipeline(graph, num_microbatches=4, schedule=args.schedule,
-                                 loss_fn=segmentation_loss)
+                                 loss_fn=segmentation_loss, measure_memory=True)
     else:
         pipe = conveyor.Pipeline(model, balance=[2, 2, 2, 2], num_microbatches=4,
-                                 schedule=args.schedule, loss_fn=segmentation_loss)
+                                 schedule=args.schedule, loss_fn=segmentation_loss,
+                                 measure_memory=True)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     for step, (images, masks) in enumerate(segmentation_batches(16, 32, args.steps), start=1):
         loss = pipe.step(images, masks)

@@ -318,7 +318,8 @@ def _three_rank_worker(rank: int, world_size: int) -> None:
     for relay in (False, True):
         graph = split_model(copy.deepcopy(net), points, relay_skips=relay)
         pipe = _check(rank, net, lambda m, g=graph: conveyor.Pipeline(
-            g, schedule="gpipe", num_microbatches=4, loss_fn=segmentation_loss),
+            g, schedule="gpipe", num_microbatches=4, loss_fn=segmentation_loss,
+            measure_memory=True),
             images, masks, segmentation_loss, f"u-net 3 ranks relay={relay}")
         peaks[relay] = pipe.memory().peak_bytes
     if rank == 1:

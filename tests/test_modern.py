@@ -156,7 +156,7 @@ def _memory(rank: int, world_size: int, microbatches: list[int]) -> None:
             num_stages = per_rank * world_size
             pipe = conveyor.Pipeline(tied_chain(num_stages), balance=balance(num_stages),
                                      schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss,
-                                     timeout_s=15)
+                                     timeout_s=15, measure_memory=True)
             x = torch.randn(batch_per_microbatch * m, 8, dtype=torch.float64)
             pipe.step(x, torch.randn_like(x))
             report = pipe.memory()

@@ -210,7 +210,8 @@ def _memory_worker(rank: int, world_size: int, results: str) -> None:
             units = split_units(profile.num_units, _even(profile.num_units, num_stages))
             pipe = Pipeline(_mlp(), loss_fn=_loss, schedule=name, placement=tuple(placement),
                             balance=tuple(len(u) for u in units),
-                            num_microbatches=num_microbatches, checkpoint=checkpoint)
+                            num_microbatches=num_microbatches, checkpoint=checkpoint,
+                            measure_memory=True)
             inputs, targets = _batch(batch_size)
             for _ in range(2):
                 pipe.step(inputs, targets)

@@ -70,6 +70,9 @@ class PipelineConfig:
     stage_checkpoint: tuple[Literal["always", "except_last", "never"], ...] | None = None
     """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
     (conveyor.plan) writes it."""
+    measure_memory: bool = False
+    """Account activation memory for Pipeline.memory(): saved-tensor hooks on every forward,
+    which cost ~1-3% of a step on CPU, hence off unless asked for (or tracing)."""
     trace: bool = False
     """Record every action's start and end, waits, bytes sent and activation memory
     (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""

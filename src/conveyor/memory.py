@@ -112,6 +112,8 @@ class ActivationMeter:
     starts from (``keep_only``), no longer the stage's inputs and outputs.
     """
 
+    enabled: bool = True
+    """Off: every method returns at once and nothing is counted (no hooks, no cost)."""
     excluded: set[int] = field(default_factory=set)
     """Storage pointers never counted (parameters)."""
     _held: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
@@ -132,6 +134,9 @@ class ActivationMeter:
         """Count what autograd saves for backward while the body runs ``key``'s forward
         (nothing, and no key, under ``torch.no_grad``)."""
 
+        if not self.enabled:
+            yield
+            return
         excluded, live = self.excluded, self.live
 
         def pack(tensor: torch.Tensor) -> Any:  # hot: once per tensor autograd saves
@@ -151,6 +156,8 @@ class ActivationMeter:
 
     def hold(self, key: tuple[int, int], value: Any) -> None:
         """Count the tensors in ``value`` (a stage's inputs or outputs) as held by ``key``."""
+        if not self.enabled:
+            return
         self._held.setdefault(key, {})
         storages = self._values.setdefault(key, {})
         for leaf in pytree.tree_leaves(value):

@@ -107,7 +107,8 @@ class Pipeline:
         self.ties.equalize()
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(self.graph, self.rank, p2p, self.device, loss_fn,
-                                config.stage_checkpoint or config.checkpoint, config.seed)
+                                config.stage_checkpoint or config.checkpoint, config.seed,
+                                config.measure_memory or config.trace or bool(config.trace_dir))
         self.step_index = 0
         self._recorder: Recorder | None = None
         if config.trace or config.trace_dir:
@@ -255,6 +256,9 @@ class Pipeline:
 
     def memory(self) -> MemoryReport:
         """Peak activation bytes and micro-batches this rank held since ``reset_memory``."""
+        if not self._runtime.meter.enabled:
+            raise RuntimeError("memory accounting is off; construct the Pipeline with "
+                               "measure_memory=True (or trace=True) to measure peaks")
         return self._runtime.meter.report()
 
     def reset_memory(self) -> None:

@@ -65,7 +65,7 @@ class Runtime:
 
     def __init__(self, graph: StageGraph, rank: int, p2p: P2P, device: torch.device,
                  loss_fn: LossFn | None, checkpoint: CheckpointMode | Sequence[CheckpointMode],
-                 seed: int) -> None:
+                 seed: int, measure_memory: bool = True) -> None:
         self.graph = graph
         self.rank = rank
         self.p2p = p2p
@@ -79,7 +79,7 @@ class Runtime:
             module = graph.stages[s].module
             assert module is not None, f"stage {s} on rank {rank} has no module"
             self.modules[s] = module
-        self.meter = ActivationMeter()
+        self.meter = ActivationMeter(enabled=measure_memory)
         self.meter.exclude(p for m in self.modules.values() for p in m.parameters())
         self.recorder: Recorder | None = None
         """Set to record every action's start and end (conveyor.trace)."""
