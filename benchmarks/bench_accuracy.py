@@ -153,19 +153,7 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
                     continue
                 configs.append((name, units, placement, m, pipe))
     inputs, targets = workload.batch(model.batch_size)
-    times: list[list[float]] = [[] for _ in configs]
-    for round_index in range(rounds + 1):  # round 0 warms up
-        for index, (*_, pipe) in enumerate(configs):
-            for _ in range(steps if round_index else 2):
-                dist.barrier()
-                start = time.perf_counter()
-                pipe.step(inputs, targets)
-                spans: list[Any] = [None, None]
-                dist.all_gather_object(spans, (start, time.perf_counter()))
-                if round_index:
-                    times[index].append(max(e for _, e in spans) - min(s for s, _ in spans))
-            if round_index == 0:
-                pipe.reset_memory()
+    times = step_times([c[-1] for c in configs], inputs, targets, rounds, steps)
     fitted, fitted_on = _fitted(model, workload, profile, configs, inputs, targets)
     results = []
     for (name, units, placement, m, pipe), measured in zip(configs, times, strict=True):
@@ -189,6 +177,27 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
                   f"{prediction.step_time * 1e3:7.2f} ms (profile alone "
                   f"{raw.step_time * 1e3:7.2f} ms)", flush=True)
     return results, fitted
+
+
+def step_times(pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int,
+               steps: int) -> list[list[float]]:
+    """Each pipeline's step times, from the first rank's start to the last rank's end, the
+    pipelines taking turns round by round after a warm-up round (peak memory counts from
+    after it). Collective."""
+    times: list[list[float]] = [[] for _ in pipes]
+    for round_index in range(rounds + 1):  # round 0 warms up
+        for index, pipe in enumerate(pipes):
+            for _ in range(steps if round_index else 2):
+                dist.barrier()
+                start = time.perf_counter()
+                pipe.step(inputs, targets)
+                spans: list[Any] = [None, None]
+                dist.all_gather_object(spans, (start, time.perf_counter()))
+                if round_index:
+                    times[index].append(max(e for _, e in spans) - min(s for s, _ in spans))
+            if round_index == 0 and pipe.config.measure_memory:
+                pipe.reset_memory()
+    return times
 
 
 def _fitted(model: Model, workload: Workload, profile: Profile, configs: list[Any],

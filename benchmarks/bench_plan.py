@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accuracy import MODELS, Model
+from bench_accuracy import MODELS, Model, step_times
 from report import write_section
 
 from conveyor import Pipeline
@@ -83,17 +83,7 @@ def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
             if rank == 0:
                 print(f"skip {model.name} {label}: {str(error).splitlines()[0]}", flush=True)
     inputs, targets = workload.batch(model.batch_size)
-    times: list[list[float]] = [[] for _ in pipes]
-    for round_index in range(rounds + 1):  # round 0 warms up
-        for index, (_, _, pipe) in enumerate(pipes):
-            for _ in range(steps if round_index else 2):
-                dist.barrier()
-                start = time.perf_counter()
-                pipe.step(inputs, targets)
-                spans: list[Any] = [None, None]
-                dist.all_gather_object(spans, (start, time.perf_counter()))
-                if round_index:
-                    times[index].append(max(e for _, e in spans) - min(s for s, _ in spans))
+    times = step_times([pipe for *_, pipe in pipes], inputs, targets, rounds, steps)
     measured = {label: statistics.median(t) for (label, _, _), t in zip(pipes, times,
                                                                           strict=True)}
     if rank == 0:

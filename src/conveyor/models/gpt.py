@@ -49,13 +49,19 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        return self.attend(x, torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1))
+
+    def attend(self, x: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+        """The block on ``x``, no attention where ``blocked`` (broadcast to the scores) is
+        true."""
         batch, seq, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        attention = scores.masked_fill(mask, float("-inf")).softmax(-1)
-        y = (attention @ v).transpose(1, 2).reshape(batch, seq, dim)
+        if blocked is not None:
+            scores = scores.masked_fill(blocked, float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
         x = x + self.dropout(self.proj(y))
         out: torch.Tensor = x + self.dropout(self.mlp(self.norm2(x)))
         return out

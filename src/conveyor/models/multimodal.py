@@ -10,11 +10,12 @@ positions), and the head is light: split as text | image | head, the towers run 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+
+from conveyor.models.gpt import Block
 
 __all__ = ["EncoderBlock", "FusionHead", "ImageTower", "TextTower", "TwoTower",
            "classification_loss", "multimodal_batches", "two_tower"]
@@ -22,32 +23,12 @@ __all__ = ["EncoderBlock", "FusionHead", "ImageTower", "TextTower", "TwoTower",
 logger = logging.getLogger(__name__)
 
 
-class EncoderBlock(nn.Module):
+class EncoderBlock(Block):
     """Pre-norm transformer encoder block; ``mask`` (batch, seq) marks the real positions."""
 
-    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-        self.dropout = nn.Dropout(dropout)
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        if mask is not None:  # padding keys get no attention
-            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
-        x = x + self.dropout(self.proj(y))
-        out: torch.Tensor = x + self.dropout(self.mlp(self.norm2(x)))
-        return out
+        # padding keys get no attention
+        return self.attend(x, None if mask is None else ~mask[:, None, None, :])
 
 
 def _pool(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
