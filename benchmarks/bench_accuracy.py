@@ -223,27 +223,21 @@ def _fitted(model: Model, workload: Workload, profile: Profile, configs: list[An
 
 
 def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]:
-    """Median step time of the GPT with and without tracing, steps alternating; rank 0 also
-    draws the last traced step above its prediction (docs/accuracy_timeline.png)."""
+    """Median step time of the GPT untraced, traced, and traced with memory accounting, steps
+    alternating; rank 0 also draws the last traced step above its prediction
+    (docs/accuracy_timeline.png)."""
     model = MODELS[0]
     workload = model.workload()
     inputs, targets = workload.batch(model.batch_size)
-    pipes = {}
-    for traced in (False, True):
+    variants = {"off_s": {}, "on_s": {"trace": True},
+                "memory_s": {"trace": True, "measure_memory": True}}
+    pipes = []
+    for options in variants.values():
         torch.manual_seed(0)
-        pipes[traced] = Pipeline(model.workload().model, loss_fn=workload.loss_fn,
-                                 schedule="1f1b", num_microbatches=8, trace=traced)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for index in range(2 * (steps + 4)):
-        traced = bool(index % 2)
-        dist.barrier()
-        start = time.perf_counter()
-        pipes[traced].step(inputs, targets)
-        spans: list[Any] = [None, None]
-        dist.all_gather_object(spans, (start, time.perf_counter()))
-        if index >= 8:
-            times[traced].append(max(e for _, e in spans) - min(s for s, _ in spans))
-    kept = [pipes[True].timeline(step) for step in range(-8, 0)]
+        pipes.append(Pipeline(model.workload().model, loss_fn=workload.loss_fn,
+                              schedule="1f1b", num_microbatches=8, **options))
+    times = step_times(pipes, inputs, targets, steps // 2, 2)
+    kept = [pipes[1].timeline(step) for step in range(-8, 0)]
     measured = sorted(kept, key=lambda t: t.step_time)[len(kept) // 2]  # a typical step
     graph, units = layout(profile, _chain_layouts("1f1b", profile.num_units)[0][0], [0, 1])
     predicted = predict(build_program("1f1b", graph, 8), graph,
@@ -252,8 +246,9 @@ def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]
     if rank == 0:
         write_png(DOC.parent / "accuracy_timeline.png", measured, predicted,
                   title="GPT, 1F1B, 8 micro-batches on 2 ranks: measured (top), predicted")
-    return {"off_s": statistics.median(times[False]), "on_s": statistics.median(times[True]),
-            "steps": len(times[True])}
+    found: dict[str, float] = {name: statistics.median(t) for name, t in zip(variants, times,
+                                                                            strict=True)}
+    return found | {"steps": len(times[0])}
 
 
 def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[int]],
@@ -330,7 +325,9 @@ def _markdown(results: list[dict[str, Any]], tracing: dict[str, float], command:
         f"Tracing cost: the GPT above (1F1B, 8 micro-batches) with `trace=True` took "
         f"{tracing['on_s'] * 1e3:.2f} ms per step against {tracing['off_s'] * 1e3:.2f} ms "
         f"without, {tracing['on_s'] / tracing['off_s'] - 1:+.1%} (medians of "
-        f"{tracing['steps']:.0f} alternating steps each). With tracing off the runtime only "
+        f"{tracing['steps']:.0f} steps each, in alternating pairs); with memory accounting "
+        f"(`measure_memory=True`) too, {tracing['memory_s'] * 1e3:.2f} ms, "
+        f"{tracing['memory_s'] / tracing['off_s'] - 1:+.1%}. With tracing off the runtime only "
         "checks that no recorder is set.",
     ])
 

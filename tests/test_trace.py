@@ -180,7 +180,8 @@ def _recorded_worker(rank: int, world_size: int, root: str) -> None:
         common = {"loss_fn": _loss, "schedule": name, "placement": placement,
                   "balance": balance, "num_microbatches": 4}
         plain = Pipeline(_model(), **common)
-        traced = Pipeline(_model(), trace_dir=str(Path(root, name)), **common)
+        traced = Pipeline(_model(), trace_dir=str(Path(root, name)), measure_memory=True,
+                          **common)
         with pytest.raises(RuntimeError, match="trace=True"):
             plain.timeline()
         for _ in range(2):

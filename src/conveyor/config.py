@@ -71,11 +71,11 @@ class PipelineConfig:
     """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
     (conveyor.plan) writes it."""
     measure_memory: bool = False
-    """Account activation memory for Pipeline.memory(): saved-tensor hooks on every forward,
-    which cost ~1-3% of a step on CPU, hence off unless asked for (or tracing)."""
+    """Account activation memory for Pipeline.memory() and the trace: saved-tensor hooks on
+    every forward, which cost ~2-3% of a step on CPU, hence off unless asked for."""
     trace: bool = False
-    """Record every action's start and end, waits, bytes sent and activation memory
-    (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""
+    """Record every action's start and end, waits and bytes sent (and activation memory with
+    measure_memory) (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""
     trace_dir: str | None = None
     """Also write each rank's recorded steps to <trace_dir>/rank<N>.jsonl (implies trace);
     render with `conveyor trace DIR`."""

@@ -108,7 +108,7 @@ class Pipeline:
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(self.graph, self.rank, p2p, self.device, loss_fn,
                                 config.stage_checkpoint or config.checkpoint, config.seed,
-                                config.measure_memory or config.trace or bool(config.trace_dir))
+                                config.measure_memory)
         self.step_index = 0
         self._recorder: Recorder | None = None
         if config.trace or config.trace_dir:
@@ -258,7 +258,7 @@ class Pipeline:
         """Peak activation bytes and micro-batches this rank held since ``reset_memory``."""
         if not self._runtime.meter.enabled:
             raise RuntimeError("memory accounting is off; construct the Pipeline with "
-                               "measure_memory=True (or trace=True) to measure peaks")
+                               "measure_memory=True to measure peaks")
         return self._runtime.meter.report()
 
     def reset_memory(self) -> None:

@@ -178,7 +178,8 @@ class Timeline:
                  f"{'rank':>4}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}"]
         for row in self.summary():
             lines.append(f"{row.rank:>4}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
-                         f"{row.comm_wait:>9.1%}  {_bytes(row.peak_memory):>10}")
+                         f"{row.comm_wait:>9.1%}  "
+                         f"{_bytes(row.peak_memory) if row.peak_memory else '-':>10}")
         return "\n".join(lines)
 
     def title(self) -> str:
