@@ -157,11 +157,11 @@ def test_fit_scales_the_profile_to_a_measured_step() -> None:
     compute = Timeline(2, [Event(e.rank, e.action, e.start, e.start + e.duration *
                                  slower.get(e.kind, 1.0)) for e in predicted.events])
     measured = compute
-    for _ in range(3):  # calls take 0.1 ms more, plus 2 ms per unit of their rank's busy share
+    for _ in range(3):  # calls take 0.1 ms more, plus 2 ms per unit of their peer's busy share
         busy = [measured.busy_time(r) / measured.step_time for r in range(2)]
         measured = Timeline(2, [e if e.kind not in ("send", "recv") else
                                 Event(e.rank, e.action, e.start,
-                                      e.end + 1e-4 + 2e-3 * busy[e.rank])
+                                      e.end + 1e-4 + 2e-3 * busy[1 - e.rank])
                                 for e in compute.events])
     fitted = fit(profile, measured, predicted)
     again = predict(program, graph, ProfileCost(fitted, graph, units, 2, 4)).timeline

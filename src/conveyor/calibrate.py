@@ -26,6 +26,7 @@ from torch import nn
 
 from conveyor.comm import P2P, Meta
 from conveyor.profile import Link, Overheads, Profile, Workload, profile_model
+from conveyor.schedule.program import Action
 from conveyor.trace import Event, Timeline
 
 __all__ = ["fit", "fit_to_run", "measure_link", "measure_local", "measure_overheads",
@@ -392,24 +393,31 @@ def _line(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 # See Note [busy ranks]
-# On this machine a send or a receive's posting takes ~0.05 ms on a rank that mostly waits,
-# and ~2-3 ms on a rank that computes most of the time (a two-rank experiment reproduces it
-# with a plain matmul loop before dist.isend, and not with a sleep): the transport's threads
-# must get the core back from the busy main thread. So a call costs a + k x (its rank's busy
-# share of the step); ``fit`` finds a and k by least squares over the ranks of a traced step,
-# and ``predict`` simulates twice, the second time knowing each rank's busy share.
+# On this machine posting a send or a receive takes ~0.05 ms while the peer rank waits, and
+# ~2-5 ms while the peer computes: the call waits for the peer's transport threads, which get
+# a core late. A traced step of a deliberately unbalanced split shows it plainly: the idle
+# rank's calls take milliseconds whenever the busy rank is computing, the busy rank's own
+# calls stay fast (with balanced stages both ranks are busy, and either reading fits). So a
+# call costs a + k x (its peer's busy share of the step); ``fit`` finds a and k by least
+# squares over the ranks of a traced step, and ``predict`` simulates twice, the second time
+# knowing each rank's busy share.
 def _busy_calls(steps: Sequence[Timeline],
                 expected: dict[tuple[int, str], Event]) -> tuple[float, float]:
-    """(a, k): how much longer a send or receive call took than predicted, as a + k x busy."""
+    """(a, k): how much longer a send or receive call took than predicted, as a + k x the
+    peer's busy share."""
     points: list[tuple[float, float]] = []
     for step in steps:
         span = step.step_time or 1.0
-        for rank in range(step.num_ranks):
-            excess = [e.duration - expected[(e.rank, e.action)].duration
-                      for e in step.on(rank) if e.kind in ("send", "recv")
-                      and (e.rank, e.action) in expected]
-            if excess:
-                points.append((step.busy_time(rank) / span, statistics.median(excess)))
+        rank_of = {e.stage: e.rank for e in step.events if e.stage is not None}
+        by_peer: dict[int, list[float]] = {}
+        for e in step.events:
+            if e.kind in ("send", "recv") and (e.rank, e.action) in expected:
+                peer = Action.parse(e.action).peer
+                if peer in rank_of:
+                    by_peer.setdefault(rank_of[peer], []).append(
+                        e.duration - expected[(e.rank, e.action)].duration)
+        points += [(step.busy_time(peer) / span, statistics.median(values))
+                   for peer, values in by_peer.items()]
     if not points:
         return 0.0, 0.0
     busy = [b for b, _ in points]

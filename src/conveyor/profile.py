@@ -124,9 +124,9 @@ class Overheads:
     step: float = 0.0
     """Once per step: splitting the batch into micro-batches and finishing the step."""
     busy_call: float = 0.0
-    """Extra seconds a send or a receive's posting takes per unit of its rank's busy share:
-    on a rank that computes most of the time, the transport's own threads have to take the
-    core back first (``conveyor.calibrate.fit`` measures it; see Note [busy ranks])."""
+    """Extra seconds a send or a receive's posting takes per unit of its peer's busy share:
+    while the peer computes, its transport threads get a core late, and the call waits for
+    them (``conveyor.calibrate.fit`` measures it; see Note [busy ranks])."""
 
 
 @dataclass(frozen=True)

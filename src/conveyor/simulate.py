@@ -454,7 +454,8 @@ class ProfileCost:
 
     def overhead(self, action: Action) -> float:
         overheads, link = self.profile.overheads, self.profile.link
-        busy = overheads.busy_call * self.busy_share.get(self.graph.rank_of(action.stage), 0.0)
+        assert action.peer is not None  # Note [busy ranks]: the peer's share, not its own
+        busy = overheads.busy_call * self.busy_share.get(self.graph.rank_of(action.peer), 0.0)
         if action.kind.is_send:
             per_byte = 0.0 if link is None else link.send_per_byte
             return overheads.send + per_byte * self.message_bytes(action) + busy
