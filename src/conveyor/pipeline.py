@@ -274,10 +274,6 @@ class Pipeline:
                 f"checkpoint={self.config.checkpoint} "
                 f"est. bubble={estimate.bubble_fraction:.0%}")
 
-    def program_text(self) -> str:
-        return str(self.program)
-
-
 
 PLAN_ENV = "CONVEYOR_PLAN"
 """Environment variable `conveyor run --plan FILE` sets: the plan every Pipeline then uses."""
