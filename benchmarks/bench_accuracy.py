@@ -115,13 +115,19 @@ MICROBATCHES = (4, 8)
 # -- the two ranks -----------------------------------------------------------------------------
 
 
-def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
+def join_two_ranks(rank: int, store: str) -> tuple[Any, Any]:
+    """Join the two-rank gloo group (one torch thread each); the runtime's measured
+    overheads and link."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
+    return measure_overheads(), measure_link()
+
+
+def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
+    overheads, link = join_two_ranks(rank, store)
     try:
-        overheads, link = measure_overheads(), measure_link()
         results, profiles = [], {}
         for model in MODELS:
             found, profiles[model.name] = _measure_model(model, rank, rounds, steps, overheads,

@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accuracy import MODELS, Model, step_times
+from bench_accuracy import MODELS, Model, join_two_ranks, step_times
 from report import write_section
 
 from conveyor import Pipeline
-from conveyor.calibrate import fit_to_run, measure_link, measure_overheads, profile_together
+from conveyor.calibrate import fit_to_run, profile_together
 from conveyor.models.unbalanced import MLPBlock, mse, regression_batch
 from conveyor.plan import plan
 from conveyor.profile import Workload, trace_units
@@ -44,12 +43,8 @@ GRID = (2, 4, 8, 16)
 
 
 def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    overheads, link = join_two_ranks(rank, store)
     try:
-        overheads, link = measure_overheads(), measure_link()
         results = [_compare(model, rank, rounds, steps, overheads, link) for model in MODELS]
         if rank == 0:
             Path(out).write_text(json.dumps(results))
