@@ -11,6 +11,20 @@ from conveyor.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["simulate"], ["plan"], ["trace"]])
+def test_every_help_prints_every_option(command: list[str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main([*command, "--help"])
+    except SystemExit as exit_:  # argparse's own help exits
+        code = exit_.code
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: conveyor")
+    if command == ["demo"]:  # options made from PipelineConfig's fields and their docs
+        assert "--measure-memory" in out and "2-3% of a step" in out
+
+
 def test_simulate_prints_the_grid_and_the_bubble(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out

@@ -256,14 +256,16 @@ def _flag_type(hint: Any) -> tuple[type, str | None]:
 
 @cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written beneath dataclass fields, read from the class's source."""
+    """Docstrings written beneath dataclass fields, read from the class's source, as
+    argparse help."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition
     docs = {}
     for field, doc in itertools.pairwise(body):
         if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
                 and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)):
-            docs[field.target.id] = " ".join(str(doc.value.value).split())
+            # argparse formats help with %: a literal one must be doubled
+            docs[field.target.id] = " ".join(str(doc.value.value).split()).replace("%", "%%")
     return docs
 
 
