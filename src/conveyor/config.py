@@ -72,7 +72,8 @@ class PipelineConfig:
     (conveyor.plan) writes it."""
     measure_memory: bool = False
     """Account activation memory for Pipeline.memory() and the trace: saved-tensor hooks on
-    every forward, which cost ~2-3% of a step on CPU, hence off unless asked for."""
+    every forward, which cost 1.4-6% of a step on CPU (docs/benchmarks.md), hence off
+    unless asked for."""
     trace: bool = False
     """Record every action's start and end, waits and bytes sent (and activation memory with
     measure_memory) (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""

@@ -65,7 +65,7 @@ class Runtime:
 
     def __init__(self, graph: StageGraph, rank: int, p2p: P2P, device: torch.device,
                  loss_fn: LossFn | None, checkpoint: CheckpointMode | Sequence[CheckpointMode],
-                 seed: int, measure_memory: bool = True) -> None:
+                 seed: int, measure_memory: bool) -> None:
         self.graph = graph
         self.rank = rank
         self.p2p = p2p
