@@ -125,6 +125,20 @@ def join_two_ranks(rank: int, store: str) -> tuple[Any, Any]:
     return measure_overheads(), measure_link()
 
 
+PICTURE = DOC.parent / "accuracy_timeline.png"
+
+
+def spawn_two_ranks(worker: Callable[..., None], rounds: int, steps: int) -> Any:
+    """Run ``worker(rank, store, out, rounds, steps)`` on two local processes; return the
+    JSON that rank 0 wrote to ``out``, and the PICTURE it drew beside it, if any."""
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory, "results.json")
+        mp.spawn(worker, args=(str(Path(directory, "store")), str(out), rounds, steps),
+                 nprocs=2, join=True)
+        picture = out.with_name(PICTURE.name)
+        return json.loads(out.read_text()), picture.read_bytes() if picture.exists() else None
+
+
 def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
     overheads, link = join_two_ranks(rank, store)
     try:
@@ -133,7 +147,8 @@ def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
             found, profiles[model.name] = _measure_model(model, rank, rounds, steps, overheads,
                                                          link)
             results += found
-        tracing = _trace_overhead(rounds * steps * 4, profiles[MODELS[0].name], rank)
+        tracing = _trace_overhead(rounds * steps * 4, profiles[MODELS[0].name], rank,
+                                  Path(out).with_name(PICTURE.name))
         if rank == 0:
             Path(out).write_text(json.dumps({"results": results, "tracing": tracing}))
     finally:
@@ -228,10 +243,11 @@ def _fitted(model: Model, workload: Workload, profile: Profile, configs: list[An
     return fitted, used
 
 
-def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]:
+def _trace_overhead(steps: int, profile: Profile, rank: int,
+                    picture: Path) -> dict[str, float]:
     """Median step time of the GPT untraced, traced, and traced with memory accounting, steps
     alternating; rank 0 also draws the last traced step above its prediction
-    (docs/accuracy_timeline.png)."""
+    (``picture``)."""
     model = MODELS[0]
     workload = model.workload()
     inputs, targets = workload.batch(model.batch_size)
@@ -242,7 +258,7 @@ def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]
         torch.manual_seed(0)
         pipes.append(Pipeline(model.workload().model, loss_fn=workload.loss_fn,
                               schedule="1f1b", num_microbatches=8, **options))
-    times = step_times(pipes, inputs, targets, steps // 2, 2)
+    times = step_times(pipes, inputs, targets, max(steps // 2, 4), 2)  # >= 8 traced steps
     kept = [pipes[1].timeline(step) for step in range(-8, 0)]
     measured = sorted(kept, key=lambda t: t.step_time)[len(kept) // 2]  # a typical step
     graph, units = layout(profile, _chain_layouts("1f1b", profile.num_units)[0][0], [0, 1])
@@ -250,7 +266,7 @@ def _trace_overhead(steps: int, profile: Profile, rank: int) -> dict[str, float]
                         ProfileCost(profile, graph, units, model.batch_size / 8, 8)).timeline
     predicted.meta.update(measured.meta)
     if rank == 0:
-        write_png(DOC.parent / "accuracy_timeline.png", measured, predicted,
+        write_png(picture, measured, predicted,
                   title="GPT, 1F1B, 8 micro-batches on 2 ranks: measured (top), predicted")
     found: dict[str, float] = {name: statistics.median(t) for name, t in zip(variants, times,
                                                                             strict=True)}
@@ -345,11 +361,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print, don't update docs")
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as directory:
-        out = Path(directory, "results.json")
-        mp.spawn(_worker, args=(str(Path(directory, "store")), str(out), args.rounds,
-                                args.steps), nprocs=2, join=True)
-        data = json.loads(out.read_text())
+    data, picture = spawn_two_ranks(_worker, args.rounds, args.steps)
     command = "python benchmarks/bench_accuracy.py" + (
         f" --rounds {args.rounds}" if args.rounds != 5 else "") + (
         f" --steps {args.steps}" if args.steps != 4 else "")
@@ -358,6 +370,9 @@ def main() -> None:
     print(markdown)
     if not args.no_write:
         write_section("accuracy", markdown)
+        if picture is not None:  # temporary name, then rename: never half-written
+            PICTURE.with_suffix(".tmp").write_bytes(picture)
+            PICTURE.with_suffix(".tmp").replace(PICTURE)
 
 
 if __name__ == "__main__":

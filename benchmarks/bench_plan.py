@@ -17,18 +17,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accuracy import MODELS, Model, join_two_ranks, step_times
+from bench_accuracy import MODELS, Model, join_two_ranks, spawn_two_ranks, step_times
 from report import write_section
 
 from conveyor import Pipeline
@@ -171,11 +169,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as directory:
-        out = Path(directory, "results.json")
-        mp.spawn(_worker, args=(str(Path(directory, "store")), str(out), args.rounds,
-                                args.steps), nprocs=2, join=True)
-        results = json.loads(out.read_text())
+    results, _ = spawn_two_ranks(_worker, args.rounds, args.steps)
     speed = _planning_speed()
     command = "python benchmarks/bench_plan.py" + (
         f" --rounds {args.rounds}" if args.rounds != 3 else "") + (
