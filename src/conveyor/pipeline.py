@@ -21,6 +21,7 @@ from conveyor.batchnorm import DeferredBatchNorm
 from conveyor.comm import P2P, Meta
 from conveyor.config import PipelineConfig, read_plan
 from conveyor.graph import StageGraph, place
+from conveyor.host_memory import keep_freed_memory
 from conveyor.memory import MemoryReport
 from conveyor.runtime import LossFn, Runtime, StepInputs
 from conveyor.schedule import Schedule, build_program, forward_only, layout_of
@@ -74,6 +75,8 @@ class Pipeline:
         if os.environ.get(TRACE_ENV) and config.trace_dir is None:  # conveyor run --trace DIR
             config = dataclasses.replace(config, trace_dir=os.environ[TRACE_ENV])
         self.config = config
+        if config.keep_host_memory:
+            keep_freed_memory()
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)

@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from conveyor.backward import WeightGrad, backward_input
+from conveyor.host_memory import keep_freed_memory
 from conveyor.memory import ActivationMeter
 from conveyor.split import bind_inputs, trace
 
@@ -400,10 +401,14 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
         passes: every unit is measured in this many passes over the model, and the median
             of the passes is kept, so that a burst of other work on the machine spoils one
             pass of one unit rather than all of its measurement.
+
+    Measures with freed host memory kept for reuse, as a Pipeline runs by default
+    (``conveyor.host_memory``; process-wide).
     """
     if not microbatch_sizes or any(size < 1 for size in microbatch_sizes):
         raise ValueError(f"microbatch_sizes must be positive sample counts, got "
                          f"{list(microbatch_sizes)}")
+    keep_freed_memory()
     model = workload.model
     graph, nodes, units = trace_units(model, depth)
     stats: dict[int, tuple[UnitStats, ...]] = {}
