@@ -42,11 +42,21 @@ def test_program_text_round_trips() -> None:
 def test_communication_is_inserted_in_channel_order() -> None:
     compute = [[Action.parse(a) for a in ["0F0", "0F1", "0B0", "0B1"]],
                [Action.parse(a) for a in ["1F0", "1B0", "1F1", "1B1"]]]
-    program = add_communication(chain(2), compute, 2)
+    program = add_communication(chain(2), compute, 2, prefetch=1)
     assert [str(a) for a in program[0]] == [
         "0F0", "0SF0>1", "0RB0<1", "0F1", "0SF1>1", "0RB1<1", "0B0", "0B1"]
     assert [str(a) for a in program[1]] == [
         "1RF0<0", "1F0", "1RF1<0", "1B0", "1SB0>0", "1F1", "1B1", "1SB1>0"]
+    validate(program, chain(2))
+
+
+def test_receives_are_posted_up_to_prefetch_computes_ahead() -> None:
+    compute = [[Action.parse(a) for a in ["0F0", "0F1", "0F2", "0B0", "0B1", "0B2"]],
+               [Action.parse(a) for a in ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]]]
+    program = add_communication(chain(2), compute, 3)  # default: three computes ahead
+    assert [str(a) for a in program[1]][:5] == ["1RF0<0", "1RF1<0", "1F0", "1RF2<0", "1B0"]
+    # a gradient's receive still waits for the forward that gives its shape
+    assert [str(a) for a in program[0]][:4] == ["0F0", "0SF0>1", "0RB0<1", "0F1"]
     validate(program, chain(2))
 
 

@@ -227,8 +227,8 @@ def test_custom_text_gets_communication_and_runs_on_the_simulator() -> None:
     graph = chain(2)
     program = from_text(CUSTOM, graph)
     assert program.num_microbatches == 2
-    assert str(program) == ("0F0 0SF0>1 0RB0<1 0F1 0SF1>1 0I0 0RB1<1 0W0 0I1 0W1\n"
-                            "1RF0<0 1F0 1RF1<0 1I0 1SB0>0 1F1 1I1 1SB1>0 1W0 1W1")
+    assert str(program) == ("0F0 0SF0>1 0RB0<1 0F1 0SF1>1 0RB1<1 0I0 0W0 0I1 0W1\n"
+                            "1RF0<0 1RF1<0 1F0 1I0 1SB0>0 1F1 1I1 1SB1>0 1W0 1W1")
     # rank 0 | 0F0 0F1  .  0I0 0W0 0I1 0W1
     # rank 1 |  .  1F0 1I0 1F1 1I1 1W0 1W1
     assert execute(program, graph).step_time == pytest.approx(7)
