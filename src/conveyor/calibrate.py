@@ -256,7 +256,7 @@ def fit_to_run(workload: Workload, profile: Profile, batch_size: int,
                steps: int = 10) -> Profile:
     """``profile`` fitted (``fit``) to ``steps`` traced steps of the model on the ranks of
     ``group``, in the default schedule, split as the planner would split it, once per
-    micro-batch count: the first fits every size and the runtime's overheads, each further
+    micro-batch count: the first fits every size and the runtime's call costs, each further
     one its own micro-batch size. Collective."""
     counts = [microbatch_counts] if isinstance(microbatch_counts, int) else list(microbatch_counts)
     fitted = profile
@@ -308,12 +308,15 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
 # busy cores, between messages. What that changes (caches, memory traffic, the other rank)
 # is hard to measure apart but easy to see in a trace: run one configuration with tracing,
 # predict the same configuration, and compare each action's measured and predicted duration.
-# For each kind of compute (forward, backward, I, W) a line measured = scale x predicted +
-# extra through the actions (heavy and light stages tell the two apart) scales the profile's
-# units and adds to the runtime's per-action overhead; sends and receives follow Note [busy
-# ranks]. Predictions of other configurations (other schedules, micro-batch counts, splits)
-# then carry the machine's behaviour with them. Each action counts with its median over the
-# steps, because another process on the machine can stretch any one of them.
+# For each kind of compute (forward, backward, I, W) one factor scales the profile's units:
+# the measured time of the step's actions of that kind over the predicted, both without the
+# runtime's per-action overhead (measured on its own by ``measure_overheads``), so heavy
+# actions count most. Sends and receives follow Note [busy ranks]. Predictions of other
+# configurations (schedules, micro-batch counts, splits) then carry the machine's behaviour
+# with them. Each action counts with its median over the steps, because another process on
+# the machine can stretch any one of them. (A line scale x predicted + extra through heavy
+# and light stages fitted per-action extras of up to 2 ms from two points, which misjudged
+# every split with more stages: 23% on the two-tower model's three stages.)
 def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Timeline,
         microbatch_size: int | None = None) -> Profile:
     """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
@@ -321,7 +324,7 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
     kind.
 
     With ``microbatch_size`` only that size's unit costs are scaled (fit each size with a run
-    of its own); without, every size's, and the runtime's overheads too.
+    of its own); without, every size's, and the runtime's call costs too.
 
     Raises:
         ValueError: the timelines share no kind of action.
@@ -333,18 +336,18 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
         for e in step.events:
             if (e.rank, e.action) in expected and e.duration > 0:
                 seen.setdefault((e.rank, e.action), []).append(e.duration)
-    lines: dict[str, tuple[float, float]] = {}
+    factor: dict[str, float] = {}
     for kind in ("forward", "backward", "backward_input", "backward_weight"):
-        pairs = [(expected[key].duration, statistics.median(values))
+        own = profile.overheads.forward if kind == "forward" else profile.overheads.backward
+        pairs = [(expected[key].duration - own, statistics.median(values) - own)
                  for key, values in seen.items() if expected[key].kind == kind
-                 and expected[key].duration > 0]
+                 and expected[key].duration > own]
         if pairs:
-            lines[kind] = _line(pairs)
-    calls = _busy_calls(steps, expected)
-    if not lines:
+            factor[kind] = min(max(sum(y for _, y in pairs) / sum(x for x, _ in pairs), 0.5),
+                               2.0)
+    if not factor:
         raise ValueError("the measured and predicted timelines share no kind of action; pass "
                          "a traced step and the prediction of the same configuration")
-    factor = {kind: scale for kind, (scale, _) in lines.items()}
     backward = factor.get("backward", 1.0)
     forward = factor.get("forward", 1.0)
     inputs = factor.get("backward_input", backward)
@@ -359,37 +362,20 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
     calibration = {size: (f * forward, b * backward) if size in sizes else (f, b)
                    for size, (f, b) in (profile.calibration or
                                         {s: (1.0, 1.0) for s in profile.stats}).items()}
+    fitted = ", ".join(f"{k} x{v:.2f}" for k, v in factor.items())
     if microbatch_size is not None:
         logger.info("fitted %s at micro-batch size %d: %s", profile.model, microbatch_size,
-                    ", ".join(f"{k} x{v:.2f}" for k, v in factor.items()))
+                    fitted)
         return dataclasses.replace(profile, stats=stats, loss=loss, calibration=calibration)
-    extra, per_busy = calls
+    extra, per_busy = _busy_calls(steps, expected)
     old = profile.overheads
-    backward_extra = lines.get("backward", lines.get("backward_input", (1.0, 0.0)))[1]
-    overheads = dataclasses.replace(
-        old, forward=max(0.0, old.forward * forward + lines.get("forward", (1.0, 0.0))[1]),
-        backward=max(0.0, old.backward * backward + backward_extra),
-        send=max(0.0, old.send + extra), recv=max(0.0, old.recv + extra),
-        busy_call=max(0.0, old.busy_call + per_busy))
+    overheads = dataclasses.replace(old, send=max(0.0, old.send + extra),
+                                    recv=max(0.0, old.recv + extra),
+                                    busy_call=max(0.0, old.busy_call + per_busy))
     logger.info("fitted %s to a measured step: %s; calls +%.3f ms, +%.3f ms per busy share",
-                profile.model, ", ".join(f"{k} x{v:.2f}" for k, v in factor.items()),
-                extra * 1e3, per_busy * 1e3)
+                profile.model, fitted, extra * 1e3, per_busy * 1e3)
     return dataclasses.replace(profile, stats=stats, loss=loss, overheads=overheads,
                                calibration=calibration)
-
-
-def _line(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(scale, extra): measured = scale x predicted + extra per action, by least squares when
-    the actions' predicted durations differ enough (heavy and light stages), else the median
-    ratio and no extra."""
-    xs = [x for x, _ in pairs]
-    ys = [y for _, y in pairs]
-    if len(pairs) < 2 or max(xs) - min(xs) < 0.25 * max(xs):
-        return statistics.median(y / x for x, y in pairs), 0.0
-    scale, extra = _fit(xs, ys)
-    scale = min(max(scale, 0.5), 2.0)
-    extra = statistics.median(y - scale * x for x, y in pairs)
-    return scale, max(extra, -0.5 * min(xs))
 
 
 # See Note [busy ranks]
