@@ -11,7 +11,7 @@ every configuration runs, interleaved round by round, each step started after a 
 timed from the first rank's start to the last rank's end on the shared monotonic clock. The
 measured step time is the median; the peak activation memory is the runtime meter's
 (``Pipeline.memory()``). Predictions come from ``conveyor.simulate.predict`` with the averaged
-profile.
+profile, fitted to the traced 1F1B steps of the same rounds.
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ MODELS = [
     Model("two-tower", _two_tower, 32, _tower_layouts),
 ]
 MICROBATCHES = (4, 8)
+FIT_SCHEDULE = "1f1b"
+"""The schedule whose traced runs the profile is fitted to (conveyor plan's default too)."""
 
 
 # -- the two ranks -----------------------------------------------------------------------------
@@ -165,8 +167,9 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
     for name in SCHEDULES:
         for units, placement in model.layouts(name, profile.num_units):
             for m in MICROBATCHES:
-                try:
-                    pipe = _pipeline(model, workload, name, units, placement, m)
+                try:  # the configurations the profile is fitted to are traced
+                    pipe = _pipeline(model, workload, name, units, placement, m,
+                                     trace=name == FIT_SCHEDULE)
                 except ValueError as error:  # the schedule cannot run this layout
                     if rank == 0:
                         print(f"skip {model.name} {name} {len(units)} stages: {error}",
@@ -175,7 +178,7 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
                 configs.append((name, units, placement, m, pipe))
     inputs, targets = workload.batch(model.batch_size)
     times = step_times([c[-1] for c in configs], inputs, targets, rounds, steps)
-    fitted, fitted_on = _fitted(model, workload, profile, configs, inputs, targets)
+    fitted, fitted_on = _fitted(model, profile, configs, rounds * steps)
     results = []
     for (name, units, placement, m, pipe), measured in zip(configs, times, strict=True):
         peaks: list[Any] = [None, None]
@@ -221,19 +224,18 @@ def step_times(pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int,
     return times
 
 
-def _fitted(model: Model, workload: Workload, profile: Profile, configs: list[Any],
-            inputs: Any, targets: Any) -> tuple[Profile, list[tuple[str, int, int]]]:
-    """The profile fitted to 1F1B at each micro-batch count (the first also fits the
-    runtime's overheads), as ``conveyor.calibrate.fit_to_run`` does for the planner."""
+def _fitted(model: Model, profile: Profile, configs: list[Any],
+            num_steps: int) -> tuple[Profile, list[tuple[str, int, int]]]:
+    """The profile fitted to the traced timed steps of FIT_SCHEDULE at each micro-batch count
+    (the first also fits the runtime's call costs), as ``conveyor.calibrate.fit_to_run`` does
+    for the planner; steps from the same interleaved rounds as every other configuration, so
+    that a slower or faster spell of the machine cannot separate the fit from the
+    measurements."""
     fitted, used = profile, []
     for index, count in enumerate(MICROBATCHES):
-        name, units, placement, m, _ = next(
-            (c for c in configs if c[0] == "1f1b" and c[3] == count), configs[0])
-        pipe = _pipeline(model, workload, name, units, placement, m, trace=True)
-        for _ in range(12):
-            dist.barrier()
-            pipe.step(inputs, targets)
-        kept = [pipe.timeline(step) for step in range(-10, 0)]  # the first two warm up
+        name, units, placement, m, pipe = next(
+            c for c in configs if c[0] == FIT_SCHEDULE and c[3] == count)
+        kept = [pipe.timeline(step) for step in range(-num_steps, 0)]
         graph, stage_units = layout(fitted, units, placement)
         predicted = predict(build_program(name, graph, m), graph,
                             ProfileCost(fitted, graph, stage_units, model.batch_size / m, m))
@@ -327,10 +329,10 @@ def _markdown(results: list[dict[str, Any]], tracing: dict[str, float], command:
         f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
         "(other work may have been running). Each model is profiled on both ranks at once and "
         "the two profiles averaged; runtime overheads and the link are measured on the same "
-        "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to traced runs of "
-        "1F1B at each micro-batch count (marked; that is what `conveyor plan` does too), and "
-        "predicts every other configuration; the unfitted profile's predictions are shown "
-        "too. Each "
+        "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to the traced "
+        "steps of 1F1B at each micro-batch count (marked; `conveyor plan` fits to 1F1B too), "
+        "taken from the same interleaved rounds as every measurement, and predicts every "
+        "other configuration; the unfitted profile's predictions are shown too. Each "
         "configuration runs interleaved with the others, every step after a barrier, timed "
         "from the first rank's start to the last rank's end (median of all rounds); peak "
         "activation memory is the runtime meter's.",

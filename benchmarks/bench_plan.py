@@ -164,16 +164,16 @@ def _markdown(results: list[dict[str, Any]], speed: tuple[float, float, str], co
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per round (default 3)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()[0]
     results, _ = spawn_two_ranks(_worker, args.rounds, args.steps)
     speed = _planning_speed()
     command = "python benchmarks/bench_plan.py" + (
-        f" --rounds {args.rounds}" if args.rounds != 3 else "") + (
-        f" --steps {args.steps}" if args.steps != 2 else "")
+        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (
+        f" --steps {args.steps}" if args.steps != 3 else "")
     markdown = _markdown(results, speed, command, (time.perf_counter() - started) / 60,
                          (load, os.getloadavg()[0]))
     print(markdown)

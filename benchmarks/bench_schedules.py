@@ -50,14 +50,6 @@ from conveyor.schedule import layout_of
 
 RANKS = 2
 
-ALLOCATORS = {
-    "default": {},
-    # glibc keeps freed memory for reuse instead of returning it to the system at once: a
-    # split backward holds the graph from I to W, and otherwise pays page faults for it
-    "tuned": {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",
-              "MALLOC_TOP_PAD_": "268435456"},
-}
-
 
 @dataclass(frozen=True)
 class Case:
@@ -209,31 +201,22 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--microbatches", default="8,4",
-                        help="micro-batch counts, one table (per allocator) each")
+                        help="micro-batch counts, one table each")
     parser.add_argument("--schedules", default=",".join(c.name for c in CASES))
     parser.add_argument("--repeats", type=int, default=5, help="alternating blocks of steps")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
-    parser.add_argument("--allocators", default="default,tuned",
-                        help=f"glibc malloc settings to run under, of {sorted(ALLOCATORS)}")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     args = parser.parse_args()
     args.schedules = args.schedules.split(",")
     counts = [int(m) for m in args.microbatches.split(",")]
     tables = []
-    runs = [(m, a) for m in counts for a in args.allocators.split(",")]
-    for count, allocator in runs:
+    for count in counts:
         args.microbatches = count
-        saved = dict(os.environ)
-        os.environ.update(ALLOCATORS[allocator])  # read by each worker's malloc at start
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "results.pt")
-                mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=RANKS)
-                results = torch.load(out)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        tables.append(table(args, results, allocator))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "results.pt")
+            mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=RANKS)
+            results = torch.load(out)
+        tables.append(table(args, results))
         print(tables[-1], flush=True)
     markdown = "\n\n".join([header(args, counts), *tables])
     if not args.no_write:
@@ -260,20 +243,18 @@ def header(args: argparse.Namespace, counts: list[int]) -> str:
         "",
         f"Command: `python benchmarks/bench_schedules.py` on {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}; other work may have been "
-        "running on the machine. Each table is one run of both implementations under one "
-        "glibc malloc setting: `default`, or `tuned` ("
-        + ", ".join(f"{k}={v}" for k, v in ALLOCATORS["tuned"].items()) + "), which keeps "
-        "freed memory for reuse; a split backward holds each stage's graph from I to W and "
-        "otherwise pays page faults for it.",
+        "running on the machine. conveyor's Pipeline keeps freed host memory for reuse "
+        "(`keep_host_memory`, glibc, process-wide: Note [freed host memory]), so torch's "
+        "pipelines, built in the same processes, run with it too.",
     ]
     return "\n".join(lines)
 
 
-def table(args: argparse.Namespace, results: dict[str, Any], allocator: str) -> str:
+def table(args: argparse.Namespace, results: dict[str, Any]) -> str:
     times, memory = results["times"], results["memory"]
     median = {label: statistics.median(values) for label, values in times.items()}
     lines = [
-        f"### {args.microbatches} micro-batches, malloc {allocator}",
+        f"### {args.microbatches} micro-batches",
         "",
         "| schedule | conveyor step (ms) | torch step (ms) | conveyor / torch time "
         "| conveyor peak saved, rank 0 / 1 (MB) | torch peak saved (MB) "

@@ -29,13 +29,13 @@ class MLPBlock(nn.Module):
         return out
 
 
-def unbalanced_mlp(dim: int = 256, widths: Sequence[int] = (16, 16, 1, 1, 1, 1, 1, 1),
+def unbalanced_mlp(dim: int = 256, widths: Sequence[int] = (16, 16, 16, 1, 1, 1, 1, 1),
                    ) -> nn.Sequential:
     """An nn.Sequential of residual MLP blocks, block i with ``widths[i] * dim`` hidden units.
 
-    The default puts two blocks 16 times wider than the others first, so a quarter of the
-    layers hold nearly all the work: an even split over two ranks gives rank 0 both heavy
-    blocks.
+    The default puts three blocks 16 times wider than the others first, so three of eight
+    layers hold nearly all the work: an even split over two ranks gives rank 0 all three
+    heavy blocks, where [2, 6] would share them.
     """
     if not widths or any(w < 1 for w in widths):
         raise ValueError(f"widths must be positive multiples of dim, got {list(widths)}")
