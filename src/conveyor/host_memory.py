@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import platform
 
 __all__ = ["keep_freed_memory"]
 
@@ -26,7 +27,8 @@ _TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes a C int
 # trimmed), so the next step's tensors of the same sizes come back as fresh pages, each
 # zeroed by a page fault. A pipeline step allocates and frees the same activation and
 # gradient buffers every micro-batch: on this machine's CPU that was 5,000-10,000 page faults
-# per step of one stage and 10-25% of its backward time (docs/benchmarks.md). Raising
+# per step of one stage and 10-25% of its backward time (one stage timed alone, with and
+# without; docs/timelines-and-planning.md). Raising
 # the mmap and trim thresholds keeps the memory in the heap for reuse; the process then holds
 # its peak, exactly as the CUDA caching allocator holds GPU memory.
 @functools.cache
@@ -34,15 +36,10 @@ def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory (blocks up to 1 GiB) for reuse instead of
     returning it to the kernel; process-wide, once. False where the C library is not glibc
     (nothing changes there)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018  # only glibc has it (and this mallopt)
-    except (OSError, AttributeError, TypeError):
-        logger.info("freed host memory is returned to the system: the C library (%s) is not "
-                    "glibc", name)
+    if platform.libc_ver()[0] != "glibc":
+        logger.info("freed host memory is returned to the system: the C library is not glibc")
         return False
+    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     applied = (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and
                mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
     if not applied:

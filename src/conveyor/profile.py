@@ -501,36 +501,23 @@ def _signature(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> str:
     return f"{what} {args!r}"
 
 
-FLUSH_BYTES = 16 << 20
-"""Bytes written before each timed run: more than a core's L2 cache on common CPUs."""
-
-
-# See Note [cold caches]
-# In a pipeline a layer rarely finds its weights in the cache: between two calls of it the
-# rank runs the rest of its stages, other micro-batches, and the transport. Timed back to back
-# it does, and small layers gain most: on this machine a 256-wide residual MLP block ran its
-# forward in 0.15 ms warm and 0.22 ms after 16 MiB had been written (backward 0.26 and
-# 0.36 ms), a 4096-wide one 1.2 and 1.46 ms. Warm profiles made light stages 15-35% faster
-# than they ran, so the profiler writes FLUSH_BYTES before every timed run.
 class _Timer:
-    """Median seconds of a callable, each run from cold caches, repeated until
-    ``min_time_s`` (the cache flushes included) and ``min_repeats``."""
+    """Median seconds of a callable, repeated until ``min_time_s`` and ``min_repeats``."""
 
     def __init__(self, min_time_s: float, min_repeats: int) -> None:
         self.min_time_s = min_time_s
         self.min_repeats = min_repeats
-        self._flush = torch.zeros(FLUSH_BYTES, dtype=torch.uint8)
 
     def __call__(self, prepare: Callable[[], Any], run: Callable[[Any], Any]) -> float:
         run(prepare())  # warm-up
         samples: list[float] = []
-        began = time.perf_counter()
-        while len(samples) < self.min_repeats or time.perf_counter() - began < self.min_time_s:
+        spent = 0.0
+        while len(samples) < self.min_repeats or spent < self.min_time_s:
             state = prepare()
-            self._flush.add_(1)
             start = time.perf_counter()
             run(state)
             samples.append(time.perf_counter() - start)
+            spent += samples[-1]
             if len(samples) >= 10_000:
                 break
         return statistics.median(samples)
