@@ -147,7 +147,8 @@ NOTE = ("Plain training with 2 threads beats both pipelines here: intra-op paral
         "over 2 cores has no bubble and no messages; pipelines pay off when the model does not "
         "fit one device. conveyor's activation accounting (`measure_memory=True`) is off in the "
         "timed runs; with it on, a 1F1B step measured 1.4-2.7% slower side by side, which is "
-        "why it is opt-in.")
+        "why it is opt-in. All three run in the same processes, so all three run with the "
+        "host memory a conveyor Pipeline keeps for reuse (`keep_host_memory`, process-wide).")
 
 
 def render(args: argparse.Namespace, rows: list[tuple[str, dict[str, list[float]]]]) -> str:
