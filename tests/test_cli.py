@@ -38,7 +38,7 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path,
     schedule.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
     assert main(["simulate", "--schedule", str(schedule), "--stages", "2",
                  "--microbatches", "2", "--actions"]) == 0
-    assert "rank 1: 1RF0<0 1F0" in capsys.readouterr().out
+    assert "rank 1: 1RF0<0 1RF1<0 1F0" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
