@@ -58,6 +58,9 @@ class LiveSavedTensors:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self._live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
+        self.generation: dict[int, int] = {}
+        """Per storage pointer, how often saved tensors there were all released: a pointer
+        seen again after that may be new memory at a reused address."""
         self.bytes = 0
         self.peak_bytes = 0
 
@@ -99,8 +102,17 @@ class LiveSavedTensors:
         if entry[1] == 0:
             self.bytes -= entry[0]
             del self._live[pointer]
+            self.generation[pointer] = self.generation.get(pointer, 0) + 1
 
 
+# See Note [reused addresses]
+# The meter counts a (stage, micro-batch)'s storages from its forward until its backward ends,
+# as the schedules' theory and the simulator do, even when autograd lets one go earlier (a
+# split backward's I frees what only the input gradient needed). Storages are known by their
+# address, and a freed address is soon reused: counted by address alone, a new tensor there
+# merged with the freed one, and a peak came out one storage short in about one run of four.
+# So each address carries a generation, bumped when autograd releases the last saved tensor
+# there, and the meter tells storages apart by (address, generation).
 @dataclass
 class ActivationMeter:
     """Counts the storages a rank keeps between a micro-batch's forward and its backward.
@@ -116,9 +128,10 @@ class ActivationMeter:
     """Off: every method returns at once and nothing is counted (no hooks, no cost)."""
     excluded: set[int] = field(default_factory=set)
     """Storage pointers never counted (parameters)."""
-    _held: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
-    """Storages autograd saved for each (stage, micro-batch)."""
-    _values: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
+    _held: dict[tuple[int, int], dict[tuple[int, int], int]] = field(default_factory=dict)
+    """Storages autograd saved for each (stage, micro-batch), by (pointer, generation): see
+    Note [reused addresses]."""
+    _values: dict[tuple[int, int], dict[tuple[int, int], int]] = field(default_factory=dict)
     """Storages the runtime itself holds for each: inputs and outputs, or W's gradients."""
     peak_bytes: int = 0
     peak_microbatches: int = 0
@@ -147,7 +160,7 @@ class ActivationMeter:
             if pointer in excluded:
                 return tensor
             nbytes = storage.nbytes()
-            self._held.setdefault(key, {})[pointer] = nbytes
+            self._held.setdefault(key, {})[(pointer, live.generation.get(pointer, 0))] = nbytes
             return live.track(tensor, pointer, nbytes)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self.live.unpack):
@@ -178,7 +191,7 @@ class ActivationMeter:
 
     @property
     def held_bytes(self) -> int:
-        unique: dict[int, int] = {}
+        unique: dict[tuple[int, int], int] = {}
         for table in (self._held, self._values):
             for storages in table.values():
                 unique.update(storages)
@@ -197,13 +210,13 @@ class ActivationMeter:
         self.peak_microbatches = self.held_microbatches
         self.live.reset()
 
-    def _add(self, storages: dict[int, int], tensor: torch.Tensor) -> None:
+    def _add(self, storages: dict[tuple[int, int], int], tensor: torch.Tensor) -> None:
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in self.excluded:
-            storages[pointer] = storage.nbytes()
+            storages[(pointer, self.live.generation.get(pointer, 0))] = storage.nbytes()
 
     def _update_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
