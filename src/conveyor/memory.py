@@ -96,6 +96,11 @@ class LiveSavedTensors:
         """Start a new peak from what is alive now."""
         self.peak_bytes = self.bytes
 
+    def identity(self, pointer: int) -> tuple[int, int]:
+        """The storage at ``pointer`` told apart from earlier ones there: (address,
+        generation); see Note [reused addresses]."""
+        return pointer, self.generation.get(pointer, 0)
+
     def _free(self, pointer: int) -> None:
         entry = self._live[pointer]
         entry[1] -= 1
@@ -160,7 +165,7 @@ class ActivationMeter:
             if pointer in excluded:
                 return tensor
             nbytes = storage.nbytes()
-            self._held.setdefault(key, {})[(pointer, live.generation.get(pointer, 0))] = nbytes
+            self._held.setdefault(key, {})[live.identity(pointer)] = nbytes
             return live.track(tensor, pointer, nbytes)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self.live.unpack):
@@ -216,7 +221,7 @@ class ActivationMeter:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in self.excluded:
-            storages[(pointer, self.live.generation.get(pointer, 0))] = storage.nbytes()
+            storages[self.live.identity(pointer)] = storage.nbytes()
 
     def _update_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
