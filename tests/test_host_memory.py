@@ -33,8 +33,9 @@ def _page_faults(mode: str) -> int:
 def test_freed_memory_is_reused_without_page_faults() -> None:
     pages = (64 << 20) // 4096
     assert _page_faults("default") >= 5 * pages  # returned each time: faults every time
-    # kept: reused (once in a few runs the heap cannot grow in place and the first one is new)
-    assert _page_faults("keep") <= pages
+    # kept: reused (once in a few runs the heap cannot grow in place and the first one is new;
+    # the allocator's own bookkeeping may touch a few more pages)
+    assert _page_faults("keep") <= pages + 256
 
 
 def test_pipeline_config_keeps_host_memory_by_default() -> None:
