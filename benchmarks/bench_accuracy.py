@@ -9,9 +9,11 @@ Protocol: both ranks profile the model at the same time (so each core is as busy
 run), the profiles are averaged, and the runtime's overheads and the link are measured; then
 every configuration runs, interleaved round by round, each step started after a barrier and
 timed from the first rank's start to the last rank's end on the shared monotonic clock. The
-measured step time is the median; the peak activation memory is the runtime meter's
-(``Pipeline.memory()``). Predictions come from ``conveyor.simulate.predict`` with the averaged
-profile, fitted to the traced 1F1B steps of the same rounds.
+measured step time is the median, with activation accounting off (the default); the peak
+activation memory is the runtime meter's (``Pipeline.memory()``), in untimed steps of a
+metered pipeline of the same configuration. Predictions come from
+``conveyor.simulate.predict`` with the averaged profile, fitted to the traced 1F1B steps of
+the same rounds.
 """
 
 from __future__ import annotations
@@ -180,9 +182,9 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
     times = step_times([c[-1] for c in configs], inputs, targets, rounds, steps)
     fitted, fitted_on = _fitted(model, profile, configs, rounds * steps)
     results = []
-    for (name, units, placement, m, pipe), measured in zip(configs, times, strict=True):
-        peaks: list[Any] = [None, None]
-        dist.all_gather_object(peaks, pipe.memory().peak_bytes)
+    for (name, units, placement, m, _), measured in zip(configs, times, strict=True):
+        peaks = _peak_memory(_pipeline(model, workload, name, units, placement, m,
+                                       measure_memory=True), inputs, targets)
         graph, stage_units = layout(profile, units, placement)
         program = build_program(name, graph, m)
         raw, prediction = (
@@ -203,11 +205,22 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
     return results, fitted
 
 
+def _peak_memory(pipe: Pipeline, inputs: Any, targets: Any) -> list[int]:
+    """Each rank's peak activation bytes in a step after a warm-up step, as the runtime's
+    meter counts them (a pipeline of its own: the timed ones run without the meter, as
+    pipelines do by default). Collective."""
+    pipe.step(inputs, targets)
+    pipe.reset_memory()
+    pipe.step(inputs, targets)
+    peaks: list[Any] = [None, None]
+    dist.all_gather_object(peaks, pipe.memory().peak_bytes)
+    return peaks
+
+
 def step_times(pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int,
                steps: int) -> list[list[float]]:
     """Each pipeline's step times, from the first rank's start to the last rank's end, the
-    pipelines taking turns round by round after a warm-up round (peak memory counts from
-    after it). Collective."""
+    pipelines taking turns round by round after a warm-up round. Collective."""
     times: list[list[float]] = [[] for _ in pipes]
     for round_index in range(rounds + 1):  # round 0 warms up
         for index, pipe in enumerate(pipes):
@@ -219,8 +232,6 @@ def step_times(pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int,
                 dist.all_gather_object(spans, (start, time.perf_counter()))
                 if round_index:
                     times[index].append(max(e for _, e in spans) - min(s for s, _ in spans))
-            if round_index == 0 and pipe.config.measure_memory:
-                pipe.reset_memory()
     return times
 
 
@@ -276,12 +287,13 @@ def _trace_overhead(steps: int, profile: Profile, rank: int,
 
 
 def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[int]],
-              placement: list[int], m: int, trace: bool = False) -> Pipeline:
+              placement: list[int], m: int, trace: bool = False,
+              measure_memory: bool = False) -> Pipeline:
     torch.manual_seed(0)
     fresh = model.workload().model
     options: dict[str, Any] = {"schedule": schedule, "num_microbatches": m,
                                "placement": tuple(placement), "trace": trace,
-                               "measure_memory": True}
+                               "measure_memory": measure_memory}
     if isinstance(fresh, torch.nn.Sequential):
         options["balance"] = tuple(len(u) for u in units)
     else:
@@ -334,8 +346,9 @@ def _markdown(results: list[dict[str, Any]], tracing: dict[str, float], command:
         "taken from the same interleaved rounds as every measurement, and predicts every "
         "other configuration; the unfitted profile's predictions are shown too. Each "
         "configuration runs interleaved with the others, every step after a barrier, timed "
-        "from the first rank's start to the last rank's end (median of all rounds); peak "
-        "activation memory is the runtime meter's.",
+        "from the first rank's start to the last rank's end (median of all rounds), with "
+        "activation accounting off, as pipelines run by default; peak activation memory is "
+        "the runtime meter's, in untimed steps of a metered pipeline of each configuration.",
         "",
         f"**Step time: mean absolute percentage error {statistics.mean(time_errors):.1%}, "
         f"{within} of {len(time_errors)} configurations within 10% (worst "

@@ -8,7 +8,7 @@ and the link between ranks, saved as plain JSON for the simulator and the planne
 A *unit* is one node of the model traced with torch.fx, where nested ``nn.Sequential``
 containers are traced through and every other submodule is one node: for an
 ``nn.Sequential`` the units are its layers. Times are medians of repeated runs, in seconds,
-measured the way the runtime runs them (same saved-tensor hooks); bytes follow
+measured the way a Pipeline runs by default (no activation accounting); bytes follow
 ``conveyor.memory.ActivationMeter``'s accounting (storages, parameters excluded).
 """
 
@@ -33,7 +33,6 @@ from torch import fx, nn
 
 from conveyor.backward import WeightGrad, backward_input
 from conveyor.host_memory import keep_freed_memory
-from conveyor.memory import ActivationMeter
 from conveyor.split import bind_inputs, trace
 
 __all__ = [
@@ -539,9 +538,6 @@ def _grad_leaves(value: Any) -> list[torch.Tensor]:
 def _unit_stats(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
                 measure: _Timer) -> UnitStats:
     sources = [a for a in node.all_input_nodes if a.op != "get_attr"]
-    meter = ActivationMeter()
-    meter.exclude(p for p in model.parameters())
-    meter.exclude(b for b in model.buffers())
 
     def inputs() -> dict[fx.Node, Any]:
         local = dict(env)
@@ -549,11 +545,8 @@ def _unit_stats(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
             local[a] = _fresh(env[a]) if a.op != "placeholder" else env[a]
         return local
 
-    def forward(local: dict[fx.Node, Any]) -> Any:
-        with meter.saving((0, 0)):
-            out = _run_node(model, node, local)
-        meter.release((0, 0))
-        return out
+    def forward(local: dict[fx.Node, Any]) -> Any:  # no meter, as Pipelines run by default
+        return _run_node(model, node, local)
 
     def forward_for_backward(local: dict[fx.Node, Any]) -> tuple[list[torch.Tensor], list[Any],
                                                                  list[torch.Tensor]]:
@@ -641,22 +634,17 @@ def _loss_times(loss_fn: LossFn, output: Any, targets: Any, measure: _Timer) -> 
 # in cache and its memory freshly reused; inside a stage it follows other units. On this
 # machine that makes the sum of the units' forwards 10-20% faster than the forward of the same
 # units in sequence. So the whole model also runs in sequence, forward and backward, the way
-# a stage does (saved-tensor hooks on), and the units' times are scaled by the ratios, which
-# the profile keeps in ``calibration``. Factors outside [0.5, 2] mean the measurement was
-# disturbed, and are clamped.
+# a stage does, and the units' times are scaled by the ratios, which the profile keeps in
+# ``calibration``. Factors outside [0.5, 2] mean the measurement was disturbed, and are
+# clamped.
 def _in_sequence(workload: Workload, inputs: Any, targets: Any, units: Sequence[UnitStats],
                  loss: tuple[float, float], measure: _Timer) -> tuple[float, float]:
     """(forward, backward) factors: the whole model in sequence over its units alone."""
     model = workload.model
     bound = bind_inputs(model, inputs)
-    meter = ActivationMeter()
-    meter.exclude(p for p in model.parameters())
 
     def forward(_: Any) -> Any:
-        with meter.saving((0, 0)):
-            out = model(**bound)
-        meter.release((0, 0))
-        return out
+        return model(**bound)
 
     def loss_of_forward() -> torch.Tensor:
         return workload.loss_fn(forward(None), targets)
