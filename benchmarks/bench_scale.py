@@ -145,6 +145,8 @@ def main() -> None:
             f"{t:.0f} ({b:.0%})" for t, b in zip(throughput[name], bubbles[name], strict=True))
             + " |")
     block = scaled.stats[MICROBATCH][1]
+    ahead = next((p for i, p in enumerate(ranks) if max(
+        throughput["zb-h1"][i], throughput["zb-v"][i]) > throughput["1f1b"][i]), None)
     markdown = "\n".join([
         "## At scale, on paper",
         "",
@@ -168,8 +170,9 @@ def main() -> None:
         f"Predicted throughput (sequences/s) and bubble for a global batch of {args.batch} "
         f"sequences in {m} micro-batches of {MICROBATCH}, split evenly. With the measured "
         "costs a split backward (I + W) takes longer on this CPU than a fused one (B), so the "
-        "zero-bubble schedules only pull ahead once the bubble they remove outweighs that "
-        "(from 16 ranks here); interleaving halves the bubble at no compute cost.",
+        "zero-bubble schedules only pull ahead of 1F1B once the bubble they remove outweighs "
+        "that (" + (f"from {ahead} ranks here" if ahead else "not within these ranks here") +
+        "); interleaving halves the bubble at no compute cost.",
         "",
         f"![predicted throughput and bubble vs ranks]({FIGURE.name})",
         "",
