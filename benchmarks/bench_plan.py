@@ -84,6 +84,8 @@ def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
     best = report.best
     return {"model": model.name, "plan": chosen, "predicted_s": best.step_time,
             "plan_units": [len(u) for u in best.stage_units], "measured": measured,
+            "top": [(p.schedule, p.num_microbatches, [len(u) for u in p.stage_units],
+                     p.step_time) for p in report.plans[:4]],
             "fields": {label: fields for label, fields, _ in pipes},
             "planning_s": report.elapsed_s}
 
@@ -145,6 +147,11 @@ def _markdown(results: list[dict[str, Any]], speed: tuple[float, float, str], co
             f"{r['predicted_s'] * 1e3:.1f} | {plan_ms * 1e3:.1f} | {best_label} | "
             f"{measured[best_label] * 1e3:.1f} | {plan_ms / measured[best_label] - 1:+.1%} | "
             f"{same_ms} |")
+    lines += ["", "The planner's top plans, predicted ms (ties within the model's error are "
+              "decided by its small differences):", ""]
+    lines += [f"- {r['model']}: " + "; ".join(
+        f"{name} m={m} units {units}: {seconds * 1e3:.1f}" for name, m, units, seconds in r["top"])
+        for r in results]
     lines += ["", "Every hand configuration, measured ms:", "",
               "| model | " + " | ".join(f"m={m}" for m in GRID) + " |",
               "|---|" + "---|" * len(GRID)]
