@@ -238,22 +238,19 @@ class P2P:
 # already has, which differs on ranks holding a tied-weight group, so the ranks would not
 # meet; a pipeline on part of the world uses its group both ways. NCCL's point-to-point
 # channels are already separate per direction.
-_DIRECTIONS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-"""Per world size: the upward and the downward group."""
+_DIRECTIONS: list[dist.ProcessGroup] = []
+"""The world's upward and downward group, once made."""
 
 
 def _directions(group: dist.ProcessGroup | None, timeout: timedelta
                 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(upward, downward) gloo groups over the world, or (None, None) (``group`` both ways)
     if ``group`` is not gloo or not the whole world. Collective the first time in a world."""
-    world_size = dist.get_world_size()
-    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != world_size:
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
         return None, None
-    kept = _DIRECTIONS.get(world_size)
-    if kept is None or not all(_alive(g) for g in kept):  # first, or the world was made anew
-        up, down = (dist.new_group(timeout=timeout, backend="gloo") for _ in range(2))
-        kept = _DIRECTIONS[world_size] = (up, down)
-    return kept
+    if not _DIRECTIONS or not all(map(_alive, _DIRECTIONS)):  # first, or a new world
+        _DIRECTIONS[:] = [dist.new_group(timeout=timeout, backend="gloo") for _ in range(2)]
+    return _DIRECTIONS[0], _DIRECTIONS[1]
 
 
 def _alive(group: dist.ProcessGroup) -> bool:
