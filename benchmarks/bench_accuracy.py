@@ -39,14 +39,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import DOC, write_section
 
 from conveyor import Pipeline
-from conveyor.calibrate import fit, measure_link, measure_overheads, profile_together
 from conveyor.graph import place
-from conveyor.profile import (
+from conveyor.planner import (
     Profile,
+    ProfileCost,
     Workload,
+    fit,
+    layout,
+    measure_link,
+    measure_overheads,
+    predict,
+    profile_together,
 )
 from conveyor.schedule import SCHEDULES, build_program, layout_of
-from conveyor.simulate import ProfileCost, layout, predict
 from conveyor.split import even_balance
 from conveyor.trace import write_png
 
@@ -297,7 +302,7 @@ def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[
     if isinstance(fresh, torch.nn.Sequential):
         options["balance"] = tuple(len(u) for u in units)
     else:
-        from conveyor.profile import trace_units
+        from conveyor.planner import trace_units
 
         targets = [u.target for u in trace_units(fresh)[2]]
         options["stage_modules"] = tuple(",".join(targets[u] for u in stage) for stage in units)

@@ -32,7 +32,7 @@ from bench_accuracy import (
 )
 from report import write_section
 
-from conveyor.profile import trace_units
+from conveyor.planner import trace_units
 from conveyor.schedule import SCHEDULES
 
 

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section
 
 import conveyor
-from conveyor.memory import LiveSavedTensors
 from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.runtime.memory import LiveSavedTensors
 
 PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -30,10 +30,8 @@ from bench_accuracy import MODELS, Model, join_two_ranks, spawn_two_ranks, step_
 from report import write_section
 
 from conveyor import Pipeline
-from conveyor.calibrate import fit_to_run, profile_together
 from conveyor.models.unbalanced import MLPBlock, mse, regression_batch
-from conveyor.plan import plan
-from conveyor.profile import Workload, trace_units
+from conveyor.planner import Workload, fit_to_run, plan, profile_together, trace_units
 from conveyor.schedule import SCHEDULES, layout_of
 
 BUDGET = 1 << 30

@@ -27,9 +27,16 @@ from report import DOC, write_section
 
 from conveyor.graph import place
 from conveyor.models import gpt, gpt_loss, text_batches
-from conveyor.profile import Profile, Workload, profile_model
+from conveyor.planner import (
+    Profile,
+    ProfileCost,
+    Workload,
+    layout,
+    predict,
+    profile_model,
+    split_units,
+)
 from conveyor.schedule import SCHEDULES, build_program, layout_of
-from conveyor.simulate import ProfileCost, layout, predict, split_units
 from conveyor.split import even_balance
 
 MICROBATCH = 4

@@ -44,8 +44,8 @@ from report import write_section
 
 import conveyor
 from conveyor.graph import place
-from conveyor.memory import LiveSavedTensors, alive_peak
 from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.runtime.memory import LiveSavedTensors, alive_peak
 from conveyor.schedule import layout_of
 
 RANKS = 2

@@ -7,12 +7,12 @@ simulated 1F1B schedule of the graph pipeline beside the chain pipeline of the s
 
 from __future__ import annotations
 
-from conveyor.autosplit import auto_split
 from conveyor.graph import StageGraph
 from conveyor.models import multimodal_batches, two_tower
 from conveyor.schedule import build_program
-from conveyor.simulate import execute
+from conveyor.simulator import simulate
 from conveyor.split import split_by_modules
+from conveyor.split.auto import auto_split
 from conveyor.trace import render_grid
 
 
@@ -22,7 +22,7 @@ def show(title: str, graph: StageGraph, num_microbatches: int = 4) -> None:
         print(f"  stage {stage.index} on rank {stage.rank}: {', '.join(stage.inputs)} -> "
               f"{', '.join(stage.outputs)}")
     topology = graph.topology()
-    timeline = execute(build_program("1f1b", topology, num_microbatches), topology)
+    timeline = simulate(build_program("1f1b", topology, num_microbatches), topology)
     print(render_grid(timeline))
     print(f"  1F1B, {num_microbatches} micro-batches, F=1 B=2: step {timeline.step_time:g}, "
           f"bubble {timeline.bubble_fraction:.0%}\n")

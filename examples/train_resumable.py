@@ -26,8 +26,8 @@ from torch.utils.data import Dataset
 import conveyor
 from conveyor.checkpoint import Checkpointer
 from conveyor.data import ResumableLoader
-from conveyor.faults import attempt
 from conveyor.models import char_ids, gpt, gpt_loss
+from conveyor.runtime.faults import attempt
 
 
 class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -1,7 +1,7 @@
 """Train a U-Net whose long skips jump over ranks: `conveyor run -n 4 examples/unet.py`.
 
 The model is a plain nn.Sequential: its Down layers stash their features and its Up layers
-pop them (conveyor.skip), so it also runs unchanged without conveyor. Split 2-2-2-2 over
+pop them (conveyor.split.skip), so it also runs unchanged without conveyor. Split 2-2-2-2 over
 four ranks, each skip goes from the rank that stashes it straight to the rank that pops it;
 the ranks in between neither relay nor store it (--relay shows the difference in memory).
 """

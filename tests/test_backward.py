@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from conveyor.backward import backward_input
 from conveyor.models import Block
+from conveyor.runtime.backward import backward_input
 
 
 class Probe(torch.autograd.Function):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from conveyor.batchnorm import DeferredBatchNorm, recompute_context
+from conveyor.runtime.batchnorm import DeferredBatchNorm, recompute_context
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])

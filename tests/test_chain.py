@@ -6,7 +6,7 @@ import pytest
 
 from conveyor.graph import chain
 from conveyor.schedule import SCHEDULES, forward_only, gpipe, one_f_one_b, validate
-from conveyor.simulate import execute
+from conveyor.simulator import simulate
 
 
 def compute(program: object, rank: int) -> list[str]:
@@ -33,7 +33,7 @@ def test_schedules_are_valid_with_the_textbook_bubble(name: str, num_stages: int
     program = SCHEDULES[name](graph, num_microbatches)
     validate(program, graph)
     # F=1, B=2 units: step = (m + p - 1) * 3, bubble = (p - 1) / (m + p - 1)
-    timeline = execute(program, graph)
+    timeline = simulate(program, graph)
     p, m = num_stages, num_microbatches
     assert timeline.step_time == pytest.approx(3 * (m + p - 1))
     assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))

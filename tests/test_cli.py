@@ -43,7 +43,7 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path,
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["simulate", "--schedule", "ifib"], "unknown schedule 'ifib'"),
-    (["demo", "--checkpoint", "sometimes"], "checkpoint must be one of"),
+    (["demo", "--checkpoint", "sometimes"], "invalid choice: 'sometimes'"),
     (["demo", "--num-microbatches", "0"], "num_microbatches must be >= 1"),
     (["run", "-n", "2", "missing.py"], "script 'missing.py' not found"),
 ])

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from tests.dist import run_ranks
 
-from conveyor.comm import P2P, Meta
+from conveyor.runtime.comm import P2P, Meta
 
 TIMEOUT = timedelta(seconds=20)
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conveyor import faults
 from conveyor.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, verify
+from conveyor.runtime import faults
 from dist import run_ranks
 from test_checkpoint import Run, assert_same
 
@@ -61,7 +61,8 @@ def test_a_fault_fires_once_at_its_rank_step_and_attempt(
 
 
 def test_a_kill_fault_kills_the_process_with_sigkill() -> None:
-    code = "from conveyor import faults; faults.fire('forward', step=3, rank=0); print('alive')"
+    code = ("from conveyor.runtime import faults; faults.fire('forward', step=3, rank=0); "
+            "print('alive')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, faults.ENV: "forward:step=3"}, timeout=120)
     assert result.returncode == -9 and "alive" not in result.stdout

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.autosplit import auto_split
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain
 from conveyor.models import (
     classification_loss,
@@ -39,8 +38,9 @@ from conveyor.schedule import (
     one_f_one_b,
     validate,
 )
-from conveyor.simulate import execute
+from conveyor.simulator import simulate
 from conveyor.split import balance_to_split_points, run_stages, split_by_modules, split_model
+from conveyor.split.auto import auto_split
 from dist import run_ranks
 
 GRAPH_SCHEDULES = ["gpipe", "1f1b", "graph-gpipe", "graph-1f1b"]
@@ -105,7 +105,7 @@ def test_every_schedule_gives_a_valid_program_for_dags(name: str, num_microbatch
                 build_program(schedule, graph, num_microbatches)
             continue
         program = build_program(schedule, graph, num_microbatches)  # validates: no deadlock
-        times[schedule] = execute(program, graph).step_time
+        times[schedule] = simulate(program, graph).step_time
     # the list schedules never lose to GPipe's fixed order
     assert times["graph-gpipe"] <= times["gpipe"] and times["graph-1f1b"] <= times["gpipe"]
 
@@ -127,8 +127,8 @@ def test_dag_step_follows_the_bubble_formula(num_microbatches: int, schedule: st
     # equal stages: a chain of 3 takes (m + 2) slots of F + B, two towers and a head (m + 1)
     dag, relayed = towers(), chain(3)
     m = num_microbatches
-    assert execute(build_program(schedule, dag, m), dag).step_time == (m + 1) * 3
-    assert execute(build_program(schedule, relayed, m), relayed).step_time == (m + 2) * 3
+    assert simulate(build_program(schedule, dag, m), dag).step_time == (m + 1) * 3
+    assert simulate(build_program(schedule, relayed, m), relayed).step_time == (m + 2) * 3
 
 
 def test_validator_covers_fan_in_and_fan_out() -> None:

@@ -1,5 +1,5 @@
 """Freed host memory is kept for reuse: a tensor allocated again after it was freed costs no
-page faults (conveyor.host_memory); measured in fresh processes, since the setting is
+page faults (conveyor.runtime.host_memory); measured in fresh processes, since the setting is
 process-wide."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 _FAULTS = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
-    from conveyor.host_memory import keep_freed_memory
+    from conveyor.runtime.host_memory import keep_freed_memory
     assert keep_freed_memory()
 torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # allocated, touched, freed
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conveyor.backward import backward_input
-from conveyor.memory import ActivationMeter, LiveSavedTensors
+from conveyor.runtime.backward import backward_input
+from conveyor.runtime.memory import ActivationMeter, LiveSavedTensors
 
 ROW = 3 * 8 * 8  # one (3, 8) float64 tensor
 

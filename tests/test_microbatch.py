@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor import microbatch
+from conveyor.runtime import microbatch
 
 
 def test_uneven_split_covers_every_sample_and_merges_back() -> None:

@@ -14,9 +14,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import conveyor
-from conveyor.batchnorm import DeferredBatchNorm
 from conveyor.graph import StageGraph
 from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.schedule import Kind, Program
 from conveyor.schedule.interleaved import rounds
 from dist import run_ranks

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from conveyor.partition import bottleneck_split, cut_points
-from conveyor.profile import Profile, Unit, UnitStats
+from conveyor.planner import Profile, Unit, UnitStats
+from conveyor.planner.partition import bottleneck_split, cut_points
 
 
 def _brute_force(costs: np.ndarray, can_start: np.ndarray, num_stages: int) -> float:

@@ -14,8 +14,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import conveyor
-from conveyor.comm import PeerLostError
 from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.runtime.comm import PeerLostError
 from dist import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -13,8 +13,7 @@ from torch import nn
 
 from conveyor import Pipeline
 from conveyor.config import read_plan
-from conveyor.plan import load_workload, plan, schedule_layout
-from conveyor.profile import Profile, Unit, UnitStats, Workload
+from conveyor.planner import Profile, Unit, UnitStats, Workload, load_workload, plan
 from conveyor.schedule import SCHEDULES
 from dist import run_ranks
 
@@ -86,12 +85,6 @@ def test_impossible_requests_are_explained() -> None:
         plan(None, 2, 1 << 40, 8, profile=profile, schedules=["nope"])
     with pytest.raises(ValueError, match=r"must lie in 1\.\.8"):
         plan(None, 2, 1 << 40, 8, profile=profile, microbatches=[16])
-
-
-def test_schedule_layouts_come_from_the_registry() -> None:
-    for name in SCHEDULES:
-        num_stages, placement = schedule_layout(name, 3)
-        assert num_stages % 3 == 0 and sorted(set(placement)) == [0, 1, 2]
 
 
 def test_workloads_load_by_example_name_or_import_path() -> None:
@@ -198,7 +191,7 @@ def test_plan_command_prints_plans_and_writes_the_best(tmp_path: Path,
 
 
 def test_memory_sizes_read_with_units() -> None:
-    from conveyor.cli_tools import parse_bytes
+    from conveyor.cli.tools import parse_bytes
 
     assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("1.5 MB") == 1_500_000
     assert parse_bytes("4096") == 4096
@@ -227,7 +220,7 @@ def test_a_graph_model_gets_its_branches_on_separate_ranks() -> None:
 
 @pytest.mark.dist
 def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run() -> None:
-    from conveyor.calibrate import profile_local
+    from conveyor.planner import profile_local
 
     profile = profile_local("test_plan:_factory", [2, 4], depth=1, batch_size=8,
                             microbatch_counts=[2, 4], timeout_s=240)

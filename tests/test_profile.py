@@ -9,14 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.calibrate import measure_link, measure_overheads
 from conveyor.models.unbalanced import MLPBlock
-from conveyor.profile import (
+from conveyor.planner import (
     Link,
     Overheads,
     Profile,
     UnitStats,
     Workload,
+    measure_link,
+    measure_overheads,
     profile_model,
     trace_units,
 )
@@ -143,9 +144,8 @@ def _workload_8(model: nn.Module) -> Workload:
 
 
 def test_fit_scales_the_profile_to_a_measured_step() -> None:
-    from conveyor.calibrate import fit
+    from conveyor.planner import ProfileCost, fit, layout, predict, split_units
     from conveyor.schedule import build_program
-    from conveyor.simulate import ProfileCost, layout, predict, split_units
     from conveyor.trace import Event, Timeline
 
     profile = profile_model(_workload(_model()), [2], min_time_s=0.0, min_repeats=1)

@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.graph import chain
-from conveyor.schedule import (
-    Action,
-    Kind,
-    Program,
-    ProgramError,
-    add_communication,
-    from_text,
-    gpipe,
-    validate,
-)
+from conveyor.program import Action, Kind, Program, add_communication
+from conveyor.schedule import ProgramError, from_text, gpipe, validate
 
 
 @pytest.mark.parametrize("text", ["1F0", "0B12", "3I2", "3W2", "0SF0>1", "1RF0<0", "1SB3>0",

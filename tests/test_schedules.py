@@ -9,7 +9,7 @@ import pytest
 
 from conveyor.cli import main
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain, place
-from conveyor.memory import alive_peak
+from conveyor.runtime.memory import alive_peak
 from conveyor.schedule import (
     LAYOUTS,
     SCHEDULES,
@@ -26,7 +26,7 @@ from conveyor.schedule import (
     zb_v,
 )
 from conveyor.schedule.interleaved import rounds
-from conveyor.simulate import execute
+from conveyor.simulator import simulate
 
 
 def compute(program: Program, rank: int) -> list[str]:
@@ -90,7 +90,7 @@ def test_interleaved_is_valid_with_megatrons_bubble(num_ranks: int, virtual_stag
     validate(program, graph)
     if m >= p:  # in chunk units (F=1, B=2 per chunk): the bubble is 1F1B's divided by v,
         # for any m, multiple of p or not (Note [interleaved remainder])
-        assert execute(program, graph).step_time == pytest.approx(3 * m * v + 3 * (p - 1))
+        assert simulate(program, graph).step_time == pytest.approx(3 * m * v + 3 * (p - 1))
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 6])
@@ -100,11 +100,11 @@ def test_zb_h1_is_valid_and_beats_1f1b(num_ranks: int, num_microbatches: int) ->
     graph = chain(p)
     program = zb_h1(graph, m)
     validate(program, graph)
-    step = execute(program, graph).step_time  # F = I = W = 1
+    step = simulate(program, graph).step_time  # F = I = W = 1
     if m >= p:  # the paper's (p - 1)(F + I - W) bubble, against 1F1B's (p - 1)(F + B)
         assert step == pytest.approx(3 * m + (p - 1))
     if p > 1:
-        assert step < execute(one_f_one_b(graph, m), graph).step_time
+        assert step < simulate(one_f_one_b(graph, m), graph).step_time
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
@@ -114,7 +114,7 @@ def test_zb_v_is_valid_with_a_small_bubble(num_ranks: int, num_microbatches: int
     graph = graph_for("zb-v", p)
     program = zb_v(graph, m)
     validate(program, graph)
-    step = execute(program, graph).step_time  # per chunk F = I = W = 1
+    step = simulate(program, graph).step_time  # per chunk F = I = W = 1
     if m >= 2 * p - 1:  # only the first forward's ramp down the V is left idle
         assert step == pytest.approx(6 * m + p - 1)
         # half-size chunks: ZB-H1 on the same model would take 2 x (3m + p - 1)
@@ -231,7 +231,7 @@ def test_custom_text_gets_communication_and_runs_on_the_simulator() -> None:
                             "1RF0<0 1RF1<0 1F0 1I0 1SB0>0 1F1 1I1 1SB1>0 1W0 1W1")
     # rank 0 | 0F0 0F1  .  0I0 0W0 0I1 0W1
     # rank 1 |  .  1F0 1I0 1F1 1I1 1W0 1W1
-    assert execute(program, graph).step_time == pytest.approx(7)
+    assert simulate(program, graph).step_time == pytest.approx(7)
 
 
 def test_custom_text_round_trips_a_full_program() -> None:

@@ -12,17 +12,20 @@ from torch import nn
 
 from conveyor import Pipeline, build_program, chain
 from conveyor.graph import place
-from conveyor.profile import Overheads, Profile, Unit, UnitStats, Workload, profile_model
-from conveyor.schedule import SCHEDULES, Action, Kind, Program, layout_of
-from conveyor.simulate import (
-    DeadlockError,
+from conveyor.planner import (
+    Overheads,
+    Profile,
     ProfileCost,
-    UnitCost,
-    execute,
+    Unit,
+    UnitStats,
+    Workload,
     layout,
     predict,
+    profile_model,
     split_units,
 )
+from conveyor.schedule import SCHEDULES, Action, Kind, Program, layout_of
+from conveyor.simulator import DeadlockError, UnitCost, simulate
 from conveyor.trace import Timeline
 from dist import run_ranks
 
@@ -38,7 +41,7 @@ def test_every_schedule_executes_in_program_order_without_overlap(name: str) -> 
     num_stages, placement = _layout(name, 3)
     graph = chain(num_stages, placement=placement)
     program = build_program(name, graph, 6)
-    timeline = execute(program, graph, UnitCost(latency=0.25))
+    timeline = simulate(program, graph, UnitCost(latency=0.25))
     for rank in range(3):
         events = timeline.on(rank)
         compute = [e.action for e in events if e.is_compute]
@@ -67,7 +70,7 @@ def test_transfers_overheads_and_waits_follow_the_runtime_rules() -> None:
     graph = chain(2)
     program = build_program("gpipe", graph, 1)
     assert str(program) == "0F0 0SF0>1 0RB0<1 0B0\n1RF0<0 1F0 1B0 1SB0>0"
-    timeline = execute(program, graph, _Costs())
+    timeline = simulate(program, graph, _Costs())
     spans = {(e.rank, e.action): (round(e.start, 6), round(e.end, 6)) for e in timeline.events}
     assert spans == {
         (0, "0F0"): (0.0, 1.0), (0, "0SF0>1"): (1.0, 1.1), (0, "0RB0<1"): (1.1, 1.15),
@@ -83,7 +86,7 @@ def test_a_receive_posted_out_of_order_is_a_deadlock() -> None:
     program = Program.parse("0F0 0F1 0SF1>1 0SF0>1 0RB0<1 0RB1<1 0B0 0B1\n"
                             "1RF0<0 1RF1<0 1F0 1F1 1B0 1SB0>0 1B1 1SB1>0")
     with pytest.raises(DeadlockError, match="post receives in the order"):
-        execute(program, graph)
+        simulate(program, graph)
 
 
 # -- a synthetic profile: four units in a chain ---------------------------------------------
@@ -155,7 +158,7 @@ def test_split_backward_holds_part_of_the_activations_from_i_until_w() -> None:
     graph, units = layout(profile, split_units(4, [2, 2]))
     cost = ProfileCost(profile, graph, units, 4, 2)
     program = Program.parse("0F0 0SF0>1 0RB0<1 0I0 0W0\n1RF0<0 1F0 1I0 1SB0>0 1W0", 1)
-    memory = {e.action: e.memory for e in execute(program, graph, cost).events if e.is_compute}
+    memory = {e.action: e.memory for e in simulate(program, graph, cost).events if e.is_compute}
     resident = cost.resident_bytes(0)  # the batch's inputs, held while micro-batches live
     full = cost.activation_bytes(0, 0) + resident
     after = cost.activation_after_input(0, 0) + resident

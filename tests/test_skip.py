@@ -8,8 +8,8 @@ from torch import nn
 
 from conveyor.graph import MODEL_OUTPUT
 from conveyor.models import segmentation_batches, unet
-from conveyor.skip import pop, rename, skip_names, skippable, stash, verify_skips
 from conveyor.split import balance_to_split_points, run_stages, split_model
+from conveyor.split.skip import pop, rename, skip_names, skippable, stash, verify_skips
 
 
 @skippable(stash=["skip"])

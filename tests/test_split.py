@@ -6,8 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.autosplit import auto_split
-from conveyor.cut import DataflowGraph, best_cut, branch_order, cut_in_order
 from conveyor.graph import MODEL_OUTPUT
 from conveyor.models import Block, gpt
 from conveyor.split import (
@@ -19,6 +17,8 @@ from conveyor.split import (
     split_by_modules,
     split_model,
 )
+from conveyor.split.auto import auto_split
+from conveyor.split.cut import DataflowGraph, best_cut, branch_order, cut_in_order
 
 
 class Residual(nn.Module):
@@ -333,7 +333,7 @@ def test_stage_graph_inputs_bind_by_name_or_position() -> None:
         bind_inputs(graph, x)
 
 
-# -- the search behind auto_split, on plain data (conveyor.cut) -------------------------------
+# -- the search behind auto_split, on plain data (conveyor.split.cut) -----------------------
 
 
 def test_branch_order_finishes_each_branch_before_the_next() -> None:

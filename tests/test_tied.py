@@ -7,8 +7,8 @@ from torch import nn
 
 from conveyor.graph import place
 from conveyor.models import gpt
+from conveyor.runtime.tied import Tie, find_ties
 from conveyor.split import balance_to_split_points, split_model
-from conveyor.tied import Tie, find_ties
 
 
 def split(model: nn.Sequential, balance: list[int], num_ranks: int = 2):  # type: ignore[no-untyped-def]

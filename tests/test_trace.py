@@ -242,7 +242,7 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
 
 def test_run_options_are_taken_before_the_script_only(monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Path) -> None:
-    from conveyor.cli_tools import take_run_options
+    from conveyor.cli.launch import take_run_options
 
     monkeypatch.delenv("CONVEYOR_TRACE_DIR", raising=False)
     rest = take_run_options(["-n", "2", f"--trace={tmp_path}", "train.py", "--trace", "x"])

@@ -1,4 +1,15 @@
-"""Pipeline configuration: one frozen dataclass, validated before any process starts."""
+"""Configuration: frozen dataclasses in documented sections, validated before any process starts.
+
+    config = PipelineConfig(balance=(3, 3), num_microbatches=8, schedule="zb-h1")
+    config = PipelineConfig.from_dict(json.loads(text))          # a plan file, TOML, JSON
+    config = resolve(config, plan="plan.json", options={...})    # every source, in one order
+
+``PipelineConfig`` is made of sections: ``SplitConfig`` (how the model is cut and where the
+stages go), ``TrainingConfig`` (what a step computes: schedule, micro-batches, recomputation,
+loss, randomness) and ``RuntimeConfig`` (how ranks run it: timeouts, memory, tracing). Each
+section validates its own fields; fields are also set and read flat (``config.schedule``), as
+``Pipeline(model, schedule=...)`` takes them.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +17,48 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-__all__ = ["CHECKPOINT_DIR_ENV", "CHECKPOINT_MODES", "CheckpointConfig", "PipelineConfig",
-           "read_plan"]
+from conveyor.runtime.recompute import RECOMPUTE_MODES, RecomputeMode
+
+__all__ = [
+    "CHECKPOINT_DIR_ENV", "PLAN_ENV", "TRACE_ENV", "CheckpointConfig", "PipelineConfig",
+    "RuntimeConfig", "SplitConfig", "TrainingConfig", "read_plan", "resolve",
+]
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+PLAN_ENV = "CONVEYOR_PLAN"
+"""Set by ``conveyor run --plan FILE``: every Pipeline then runs that plan."""
+TRACE_ENV = "CONVEYOR_TRACE_DIR"
+"""Set by ``conveyor run --trace DIR``: every Pipeline then traces to DIR."""
+CHECKPOINT_DIR_ENV = "CONVEYOR_CHECKPOINT_DIR"
+"""Set by ``conveyor run --checkpoint-dir DIR``; the default CheckpointConfig.directory."""
+
+SplitMethod = Literal["balance", "split_points", "stage_modules", "auto_split"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineConfig:
-    """How to cut, schedule and run a model. Every field has a default that works on CPU."""
+@dataclass(frozen=True, kw_only=True)
+class SplitConfig:
+    """How the model is cut into stages, and which rank holds each stage."""
 
     balance: tuple[int, ...] | None = None
     """Layers per stage of an nn.Sequential; default: an even split over the ranks."""
     split_points: tuple[str, ...] | None = None
     """Qualified names of the submodules that start stages 1, 2, ... (any nn.Module)."""
-    num_microbatches: int = 4
-    """Micro-batches per step. Fewer than the number of stages leaves ranks idle."""
-    schedule: str = "1f1b"
-    """Schedule name (see conveyor.schedule.SCHEDULES: gpipe, 1f1b, interleaved-1f1b, zb-h1,
-    zb-v, ...) or a schedule file (one line of actions per rank; docs/schedules.md)."""
-    checkpoint: Literal["always", "except_last", "never"] = "never"
-    """Activation checkpointing: recompute forwards in backward (torchgpipe semantics;
-    'except_last' keeps the last micro-batch's activations, which are used at once)."""
-    loss_reduction: Literal["mean", "sum"] = "mean"
-    """'mean': the loss is a per-sample mean, so micro-batch losses are weighted by their share
-    of the batch and the step's loss equals the full batch's. 'sum': they are added."""
-    seed: int = 0
-    """Seed of the per-micro-batch random streams (dropout); Note [micro-batch randomness]."""
-    timeout_s: float = 60.0
-    """Longest wait for a peer before the rank fails, naming the peer and the action."""
+    stage_modules: tuple[str, ...] | None = None
+    """Submodules forming each stage, one entry per stage with comma-separated qualified names,
+    e.g. ('text', 'image', 'head,norm'): stages that do not feed each other run concurrently
+    (a graph pipeline; see conveyor.split.split_by_modules)."""
+    auto_split: bool = False
+    """Trace the model and cut it into one stage per rank (or per placement entry) for the
+    shortest step, independent branches on different ranks (conveyor.split.auto)."""
+    leaf_modules: tuple[str, ...] = ()
+    """Submodules auto_split keeps whole and never traces: qualified names ('encoder.3') or
+    class names ('Block'), e.g. for code torch.fx cannot trace."""
     placement: tuple[int, ...] | None = None
     """Rank of each stage; default: stage i on rank i, or placement_style with more stages
     than ranks (virtual stages)."""
@@ -54,62 +72,19 @@ class PipelineConfig:
     """Parameters to keep as one across stages: each entry a comma-separated group of
     qualified names, e.g. '0.tokens.weight,5.out.weight'. One Parameter object reached from
     several stages is tied without being listed."""
-    deferred_batch_norm: bool = False
-    """Replace the model's BatchNorm layers by conveyor.batchnorm.DeferredBatchNorm, so the
-    running statistics are those of the whole mini-batch (torchgpipe semantics)."""
-    stage_modules: tuple[str, ...] | None = None
-    """Submodules forming each stage, one entry per stage with comma-separated qualified names,
-    e.g. ('text', 'image', 'head,norm'): stages that do not feed each other run concurrently
-    (a graph pipeline; see conveyor.split.split_by_modules)."""
-    auto_split: bool = False
-    """Trace the model and cut it into one stage per rank (or per placement entry) for the
-    shortest step, independent branches on different ranks (conveyor.autosplit)."""
-    leaf_modules: tuple[str, ...] = ()
-    """Submodules auto_split keeps whole and never traces: qualified names ('encoder.3') or
-    class names ('Block'), e.g. for code torch.fx cannot trace."""
-    stage_checkpoint: tuple[Literal["always", "except_last", "never"], ...] | None = None
-    """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
-    (conveyor.plan) writes it."""
-    measure_memory: bool = False
-    """Account activation memory for Pipeline.memory() and the trace: saved-tensor hooks on
-    every forward, which cost 1.4-6% of a step on CPU (docs/benchmarks.md), hence off
-    unless asked for."""
-    keep_host_memory: bool = True
-    """Keep host memory that tensors free for the next micro-batch instead of returning it to
-    the system (glibc malloc, process-wide; Note [freed host memory] in conveyor.host_memory):
-    10-25% faster backward on CPU, at the price of the process holding its peak."""
-    trace: bool = False
-    """Record every action's start and end, waits and bytes sent (and activation memory with
-    measure_memory) (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""
-    trace_dir: str | None = None
-    """Also write each rank's recorded steps to <trace_dir>/rank<N>.jsonl (implies trace);
-    render with `conveyor trace DIR`."""
 
-    def __post_init__(self) -> None:
-        if self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        if self.balance is not None and self.split_points is not None:
-            raise ValueError("pass balance or split_points, not both: balance counts layers of "
-                             "an nn.Sequential, split_points name submodules of any module")
-        ways = [name for name in ("balance", "split_points", "stage_modules")
-                if getattr(self, name) is not None] + (["auto_split"] if self.auto_split else [])
-        if len(ways) > 1:
-            raise ValueError(f"pass one way to split, got {ways}: balance (nn.Sequential), "
-                             "split_points (a chain), stage_modules (a graph by hand) or "
-                             "auto_split=True")
+    def _check_split(self) -> None:
+        methods = self.split_methods
+        if len(methods) > 1:
+            raise ValueError(f"pass one way to split, got {list(methods)}: balance "
+                             "(nn.Sequential), split_points (a chain), stage_modules (a graph "
+                             "by hand) or auto_split=True")
         if self.stage_modules is not None and not all(m.strip(" ,") for m in self.stage_modules):
             raise ValueError(f"stage_modules {list(self.stage_modules)} has an empty stage; "
                              "give each stage at least one submodule name")
         if self.balance is not None and any(b < 1 for b in self.balance):
             raise ValueError(f"balance {list(self.balance)} has a count below 1; every stage "
                              "needs at least one layer")
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, "
-                             f"got {self.checkpoint!r}")
-        if self.loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.virtual_stages is not None and self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.placement_style not in (None, "loop", "v"):
@@ -120,11 +95,13 @@ class PipelineConfig:
                 raise ValueError(f"tie_weights entry {group!r} names fewer than two "
                                  "parameters; give a comma-separated group such as "
                                  "'0.tokens.weight,5.out.weight'")
-        if self.stage_checkpoint is not None:
-            wrong = [m for m in self.stage_checkpoint if m not in CHECKPOINT_MODES]
-            if wrong:
-                raise ValueError(f"stage_checkpoint has modes {wrong}; each must be one of "
-                                 f"{list(CHECKPOINT_MODES)}")
+
+    @property
+    def split_methods(self) -> tuple[SplitMethod, ...]:
+        """The ways to split that are set (valid configs set at most one)."""
+        given = tuple(m for m in get_args(SplitMethod) if m != "auto_split"
+                      and getattr(self, m) is not None)
+        return given + (("auto_split",) if self.auto_split else ())
 
     @property
     def num_stages(self) -> int | None:
@@ -136,6 +113,123 @@ class PipelineConfig:
         if self.stage_modules is not None:
             return len(self.stage_modules)
         return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """What one step computes: the schedule, micro-batches, recomputation, loss, randomness."""
+
+    num_microbatches: int = 4
+    """Micro-batches per step. Fewer than the number of stages leaves ranks idle."""
+    schedule: str = "1f1b"
+    """Schedule name (see conveyor.schedule.SCHEDULES: gpipe, 1f1b, interleaved-1f1b, zb-h1,
+    zb-v, ...) or a schedule file (one line of actions per rank; docs/schedules.md)."""
+    checkpoint: RecomputeMode = "never"
+    """Activation checkpointing: recompute forwards in backward (torchgpipe semantics;
+    'except_last' keeps the last micro-batch's activations, which are used at once)."""
+    stage_checkpoint: tuple[RecomputeMode, ...] | None = None
+    """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
+    (conveyor.planner) writes it."""
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    """'mean': the loss is a per-sample mean, so micro-batch losses are weighted by their share
+    of the batch and the step's loss equals the full batch's. 'sum': they are added."""
+    seed: int = 0
+    """Seed of the per-micro-batch random streams (dropout); See Note [micro-batch randomness]."""
+    deferred_batch_norm: bool = False
+    """Replace the model's BatchNorm layers by conveyor.runtime.batchnorm.DeferredBatchNorm,
+    so the running statistics are those of the whole mini-batch (torchgpipe semantics)."""
+
+    def _check_training(self) -> None:
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.checkpoint not in RECOMPUTE_MODES:
+            raise ValueError(f"checkpoint must be one of {list(RECOMPUTE_MODES)}, "
+                             f"got {self.checkpoint!r}")
+        if self.stage_checkpoint is not None:
+            wrong = [m for m in self.stage_checkpoint if m not in RECOMPUTE_MODES]
+            if wrong:
+                raise ValueError(f"stage_checkpoint has modes {wrong}; each must be one of "
+                                 f"{list(RECOMPUTE_MODES)}")
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """How the ranks run a step: how long they wait, what memory they keep, what they record."""
+
+    timeout_s: float = 60.0
+    """Longest wait for a peer before the rank fails, naming the peer and the action."""
+    measure_memory: bool = False
+    """Account activation memory for Pipeline.memory() and the trace: saved-tensor hooks on
+    every forward, which cost 1.4-6% of a step on CPU (docs/benchmarks.md), hence off
+    unless asked for."""
+    keep_host_memory: bool = True
+    """Keep host memory that tensors free for the next micro-batch instead of returning it to
+    the system (glibc malloc, process-wide; See Note [freed host memory] in
+    conveyor.runtime.host_memory): 10-25% faster backward on CPU, at the price of the process
+    holding its peak."""
+    trace: bool = False
+    """Record every action's start and end, waits and bytes sent (and activation memory with
+    measure_memory) (conveyor.trace); read with Pipeline.timeline(). Off costs nothing."""
+    trace_dir: str | None = None
+    """Also write each rank's recorded steps to <trace_dir>/rank<N>.jsonl (implies trace);
+    render with `conveyor trace DIR`."""
+
+    def _check_runtime(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig(RuntimeConfig, TrainingConfig, SplitConfig):
+    """How to cut, schedule and run a model: the three sections' fields, set and read flat.
+
+    Every field has a default that works on CPU.
+    """
+
+    def __post_init__(self) -> None:
+        self._check_split()
+        self._check_training()
+        self._check_runtime()
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any], source: str = "the configuration"
+                  ) -> PipelineConfig:
+        """A config from plain data (JSON, TOML, a plan file): lists become tuples.
+
+        Raises:
+            ValueError: ``fields`` names a field PipelineConfig does not have; ``source``
+                says where the fields came from.
+        """
+        return cls(**_fields_of(cls, fields, source))
+
+    def replace(self, **fields: Any) -> PipelineConfig:
+        """This config with ``fields`` changed (validated again)."""
+        return dataclasses.replace(self, **_fields_of(type(self), fields, "the options"))
+
+    def with_plan(self, fields: Mapping[str, Any]) -> PipelineConfig:
+        """This config with a plan's fields: a plan's way to split replaces this one's."""
+        plan = _fields_of(type(self), fields, "the plan")
+        if set(plan) & set(get_args(SplitMethod)):
+            unsplit = {"balance": None, "split_points": None, "stage_modules": None,
+                       "auto_split": False}
+            plan = {**unsplit, **plan}
+        return dataclasses.replace(self, **plan)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain data (tuples as lists), for logs, JSON and checkpoints."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+
+def _fields_of(cls: type, fields: Mapping[str, Any], source: str) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{source} sets unknown fields {unknown}; expected "
+                         f"{cls.__name__} fields {sorted(known)}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
 def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -152,17 +246,31 @@ def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict):
         raise ValueError(f"plan file {str(path)!r} has no 'pipeline' section; write one with "
                          "`conveyor plan ... --out plan.json`")
-    fields = data["pipeline"]
-    known = {f.name for f in dataclasses.fields(PipelineConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"plan file {str(path)!r} sets unknown fields {unknown}; expected "
-                         f"PipelineConfig fields {sorted(known)}")
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return _fields_of(PipelineConfig, data["pipeline"], f"plan file {str(path)!r}")
 
 
-CHECKPOINT_DIR_ENV = "CONVEYOR_CHECKPOINT_DIR"
-"""Set by ``conveyor run --checkpoint-dir DIR``; the default CheckpointConfig.directory."""
+def resolve(config: PipelineConfig | None = None, *, plan: str | os.PathLike[str] | None = None,
+            options: Mapping[str, Any] | None = None,
+            environ: Mapping[str, str] = os.environ) -> PipelineConfig:
+    """The configuration a Pipeline runs, from every source, later ones winning:
+
+    1. ``config`` (default: PipelineConfig());
+    2. the plan file ``plan`` (its way to split replaces the config's);
+    3. ``options`` (``Pipeline(model, schedule=..., ...)``);
+    4. ``$CONVEYOR_PLAN`` (``conveyor run --plan FILE``): overrides the script;
+    5. ``$CONVEYOR_TRACE_DIR`` (``conveyor run --trace DIR``): a trace directory, unless one
+       is set already.
+    """
+    config = config or PipelineConfig()
+    if plan is not None:
+        config = config.with_plan(read_plan(plan))
+    config = config.replace(**(options or {}))
+    if environ.get(PLAN_ENV):
+        config = config.with_plan(read_plan(environ[PLAN_ENV]))
+        logger.info("using the plan in %s (conveyor run --plan)", environ[PLAN_ENV])
+    if environ.get(TRACE_ENV) and config.trace_dir is None:
+        config = config.replace(trace_dir=environ[TRACE_ENV])
+    return config
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -11,8 +10,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["ResumableLoader", "epoch_order"]
-
-logger = logging.getLogger(__name__)
 
 
 def epoch_order(num_samples: int, epoch: int, seed: int = 0, shuffle: bool = True) -> list[int]:

@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from conveyor.config import PipelineConfig
 from conveyor.models import gpt, gpt_loss, text_batches, unigram_entropy
 from conveyor.pipeline import Pipeline
+from conveyor.trace import load_run, write_chrome, write_png
 
 __all__ = ["DemoConfig", "train"]
 
@@ -95,8 +95,6 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
 
 def _render_trace(directory: str) -> None:
     """Draw the last recorded step once every rank has written it (conveyor trace DIR)."""
-    from conveyor.trace import load_run, write_chrome, write_png
-
     dist.barrier()
     if dist.get_rank() == 0:
         timeline = load_run(directory)
@@ -122,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", default="{}", help="PipelineConfig fields as JSON")
     args = parser.parse_args(argv)
     demo = DemoConfig(**json.loads(args.demo))
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                              for k, v in json.loads(args.pipeline).items()}
-    pipeline = PipelineConfig(**fields)
+    pipeline = PipelineConfig.from_dict(json.loads(args.pipeline), "--pipeline")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # an entry point, like cli
     dist.init_process_group("gloo")
     try:
@@ -137,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 def worker_args(demo: DemoConfig, pipeline: PipelineConfig) -> list[str]:
     """The command-line arguments of ``main`` for these configs."""
     return ["--demo", json.dumps(dataclasses.asdict(demo)),
-            "--pipeline", json.dumps(dataclasses.asdict(pipeline))]
+            "--pipeline", json.dumps(pipeline.to_dict())]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -13,7 +12,6 @@ from torch import nn
 __all__ = ["MODEL_OUTPUT", "PLACEMENT_STYLES", "PlacementStyle", "Stage", "StageGraph", "chain",
            "place"]
 
-logger = logging.getLogger(__name__)
 
 MODEL_OUTPUT = "output"
 """Value name of the model's own output; the stage that produces it computes the loss."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -15,17 +14,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor import microbatch
-from conveyor.autosplit import auto_split
-from conveyor.batchnorm import DeferredBatchNorm
-from conveyor.comm import P2P, Meta
-from conveyor.config import PipelineConfig, read_plan
-from conveyor.graph import StageGraph, place
-from conveyor.host_memory import keep_freed_memory
-from conveyor.memory import MemoryReport
-from conveyor.runtime import LossFn, Runtime, StepInputs
-from conveyor.schedule import Schedule, build_program, forward_only, layout_of
-from conveyor.simulate import execute
+from conveyor.config import PipelineConfig, resolve
+from conveyor.graph import StageGraph
+from conveyor.runtime import microbatch
+from conveyor.runtime.batchnorm import DeferredBatchNorm
+from conveyor.runtime.comm import P2P, Meta
+from conveyor.runtime.host_memory import keep_freed_memory
+from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
+from conveyor.runtime.memory import MemoryReport
+from conveyor.runtime.tied import TiedWeights, find_ties
+from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
+from conveyor.simulator import simulate
 from conveyor.split import (
     balance_to_split_points,
     bind_inputs,
@@ -33,7 +32,7 @@ from conveyor.split import (
     split_by_modules,
     split_model,
 )
-from conveyor.tied import TiedWeights, find_ties
+from conveyor.split.auto import auto_split
 from conveyor.trace import Recorder, Timeline, merge
 
 __all__ = ["Pipeline"]
@@ -65,16 +64,7 @@ class Pipeline:
                                "torch.distributed.init_process_group() before Pipeline(...)")
         if isinstance(schedule, str):
             options["schedule"] = schedule
-        config = config or PipelineConfig()
-        if plan is not None:  # the plan file, then the options given here
-            config = _with_plan(config, read_plan(plan))
-        config = dataclasses.replace(config, **options)
-        if os.environ.get(PLAN_ENV):  # `conveyor run --plan FILE` overrides the script
-            config = _with_plan(config, read_plan(os.environ[PLAN_ENV]))
-            logger.info("using the plan in %s (conveyor run --plan)", os.environ[PLAN_ENV])
-        if os.environ.get(TRACE_ENV) and config.trace_dir is None:  # conveyor run --trace DIR
-            config = dataclasses.replace(config, trace_dir=os.environ[TRACE_ENV])
-        self.config = config
+        config = self.config = resolve(config, plan=plan, options=options)
         if config.keep_host_memory:
             keep_freed_memory()
         self.group = group
@@ -106,14 +96,15 @@ class Pipeline:
         self.stages = {s: _materialize(self.graph.stages[s].module, self.device)
                        for s in self.graph.stages_on(self.rank)}
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
-        """Parameters shared by stages on several ranks; see Note [tied weights]."""
+        """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(self.graph, self.rank, p2p, self.device, loss_fn,
                                 config.stage_checkpoint or config.checkpoint, config.seed,
                                 config.measure_memory)
         self.step_index = 0
-        self._recorder: Recorder | None = None
+        self.recorder: Recorder | None = None
+        """This rank's recorder when tracing (trace=True or trace_dir), else None."""
         if config.trace or config.trace_dir:
             self._start_trace(p2p)
         if self.rank == 0:
@@ -127,7 +118,7 @@ class Pipeline:
         Returns the batch's loss (detached) on the rank that holds the last stage, None on the
         others. Call the optimizer and ``zero_grad`` as in plain training.
         """
-        recorder = self._recorder
+        recorder = self.recorder
         if recorder is not None:
             recorder.begin_step(self.step_index)
         if self.loss_fn is None or targets is None:
@@ -165,10 +156,10 @@ class Pipeline:
         Collective: call it on every rank of the group; each gets the whole Timeline. Needs
         ``trace=True`` (or ``trace_dir``). Times are seconds from the step's first event.
         """
-        if self._recorder is None:
+        if self.recorder is None:
             raise RuntimeError("this Pipeline records no timeline; create it with trace=True "
                                "(or trace_dir=DIR, or run under `conveyor run --trace DIR`)")
-        part = self._recorder.timeline(self.num_ranks, step)
+        part = self.recorder.timeline(self.num_ranks, step)
         parts: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(parts, part, group=self.group)
         return merge(parts, self._trace_meta())
@@ -182,7 +173,7 @@ class Pipeline:
         recorder = Recorder(self.rank)
         self._runtime.recorder = recorder
         p2p.recorder = recorder
-        self._recorder = recorder
+        self.recorder = recorder
         if self.config.trace_dir:
             directory = os.path.abspath(self.config.trace_dir)
             os.makedirs(directory, exist_ok=True)
@@ -270,29 +261,12 @@ class Pipeline:
 
     def describe(self) -> str:
         """One line: the plan, as logged at start-up."""
-        estimate = execute(self.program, self.topology)
+        estimate = simulate(self.program, self.topology)
         return (f"schedule={self.config.schedule} stages={self.graph.num_stages} "
                 f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
                 f"{_split_summary(self.graph, self.split_points)} "
                 f"checkpoint={self.config.checkpoint} "
                 f"est. bubble={estimate.bubble_fraction:.0%}")
-
-
-PLAN_ENV = "CONVEYOR_PLAN"
-"""Environment variable `conveyor run --plan FILE` sets: the plan every Pipeline then uses."""
-TRACE_ENV = "CONVEYOR_TRACE_DIR"
-"""Environment variable `conveyor run --trace DIR` sets: every Pipeline then traces to DIR."""
-
-
-def _with_plan(config: PipelineConfig, fields: dict[str, Any]) -> PipelineConfig:
-    """``config`` with a plan's fields; a plan's balance replaces split points and back."""
-    if "balance" in fields:
-        config = dataclasses.replace(config, split_points=None)
-    if "split_points" in fields:
-        config = dataclasses.replace(config, balance=None)
-    if {"balance", "split_points", "stage_modules", "auto_split"} & set(fields):
-        config = dataclasses.replace(config, stage_modules=None, auto_split=False)
-    return dataclasses.replace(config, **fields)
 
 
 def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
@@ -326,22 +300,13 @@ def _split(model: nn.Module | StageGraph, config: PipelineConfig, num_ranks: int
 
 
 def _with_layout(config: PipelineConfig, num_ranks: int) -> PipelineConfig:
-    """``config`` with the rank of every stage: virtual stages (more stages than ranks) are
-    placed by placement_style, by default as the schedule wants (graph.place)."""
-    layout = layout_of(config.schedule)
-    per_rank = config.virtual_stages or layout.virtual_stages
-    num_stages = config.num_stages
-    if config.virtual_stages is not None and num_stages not in (None, per_rank * num_ranks):
-        raise ValueError(f"virtual_stages={per_rank} on {num_ranks} ranks makes "
-                         f"{per_rank * num_ranks} stages, but the split has {num_stages}; "
-                         "drop virtual_stages or give a split with that many stages")
+    """``config`` with the rank of every stage (conveyor.schedule.stage_placement)."""
+    placement = stage_placement(config.schedule, num_ranks, num_stages=config.num_stages,
+                                virtual_stages=config.virtual_stages,
+                                style=config.placement_style)
     if config.placement is not None or config.auto_split:
         return config
-    num_stages = num_stages or per_rank * num_ranks
-    if num_stages % num_ranks:
-        return config  # stage i on rank i; the split then says the counts do not match
-    style = config.placement_style or layout.placement
-    return dataclasses.replace(config, placement=tuple(place(num_stages, num_ranks, style)))
+    return config.replace(placement=tuple(placement))
 
 
 def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> tuple[str, ...]:

@@ -5,13 +5,12 @@
     print(timeline.summary()); write_png(timeline, "step.png"); write_chrome(timeline, "step.json")
 
 A measured Timeline comes from a ``Recorder`` hooked into the runtime; a predicted one from
-``conveyor.simulate``. Both hold the same events, so one renderer draws both, side by side.
+``conveyor.simulator``. Both hold the same events, so one renderer draws both, side by side.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 import socket
 import time
@@ -20,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conveyor.files import atomic_path, write_atomic
+
 __all__ = [
     "WAIT", "Event", "RankSummary", "Recorder", "Timeline", "chrome_trace", "load_run", "merge",
     "render_grid", "write_chrome", "write_png",
 ]
 
-logger = logging.getLogger(__name__)
 
 WAIT = "wait"
 """Action name prefix of a wait: ``wait 1RF0<0`` is time blocked on that receive,
@@ -213,7 +213,7 @@ class Timeline:
 
     def save(self, path: str | Path) -> None:
         """Write the timeline as JSON (``Timeline.load`` reads it back)."""
-        Path(path).write_text(json.dumps(self.to_dict()))
+        write_atomic(path, json.dumps(self.to_dict()))
 
     @classmethod
     def load(cls, path: str | Path) -> Timeline:
@@ -428,7 +428,7 @@ def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
 def write_chrome(path: str | Path, *timelines: Timeline) -> Path:
     """Write ``chrome_trace(*timelines)`` to ``path``; returns the path."""
     target = Path(path)
-    target.write_text(json.dumps(chrome_trace(*timelines)))
+    write_atomic(target, json.dumps(chrome_trace(*timelines)))
     return target
 
 
@@ -470,7 +470,8 @@ def write_png(path: str | Path, *timelines: Timeline, title: str | None = None,
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     target = Path(path)
-    fig.savefig(target, dpi=110)
+    with atomic_path(target) as temporary:
+        fig.savefig(temporary, dpi=110, format="png")
     plt.close(fig)
     return target
 

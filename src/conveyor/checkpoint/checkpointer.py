@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as save_state
 
-from conveyor import faults
 from conveyor.checkpoint.compat import check_keys, check_layout
 from conveyor.checkpoint.manifest import (
     MANIFEST,
@@ -54,9 +53,8 @@ from conveyor.checkpoint.state import (
 )
 from conveyor.checkpoint.writer import Writer
 from conveyor.config import CHECKPOINT_DIR_ENV, CheckpointConfig
-
-if TYPE_CHECKING:
-    from conveyor.pipeline import Pipeline
+from conveyor.pipeline import Pipeline
+from conveyor.runtime import faults
 
 __all__ = ["Checkpointer", "SaveRecord"]
 
@@ -92,7 +90,7 @@ class _Job:
     upload: Future[Any] | None = None
 
 
-# See Note [checkpoint protocol]
+# Note [checkpoint protocol]:
 # save(step), on every rank:
 #   1. wait for the previous save (at most one in flight), raising its error if it failed;
 #   2. snapshot: async_save stages a copy of every tensor into reused CPU buffers and starts
@@ -259,7 +257,7 @@ class Checkpointer:
             return ""
 
     def _write(self, job: _Job) -> SaveRecord:
-        """Steps 3 and 4 of Note [checkpoint protocol]; in the background when asynchronous."""
+        """Steps 3 and 4 of the protocol; See Note [checkpoint protocol]; in the background when asynchronous."""
         try:
             if job.upload is not None:
                 job.upload.result()

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 
 # the flattening torch.distributed.checkpoint applies before saving; keys must match its own
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from conveyor.checkpoint.manifest import MANIFEST, METADATA, CheckpointError, Manifest, Problem
 from conveyor.checkpoint.state import LAYOUT_FIELDS, NUMERICS_FIELDS
+from conveyor.torch_compat import flatten_state_dict
 
 __all__ = ["check_keys", "check_layout"]
 
@@ -60,7 +60,7 @@ def check_keys(state: dict[str, Any], metadata: Metadata,
     differences."""
     values = {key: value.state_dict() if isinstance(value, Stateful) else value
               for key, value in state.items()}
-    flat, _ = flatten_state_dict(values)
+    flat = flatten_state_dict(values)
     saved = metadata.state_dict_metadata
     missing = sorted(key for key in flat if key not in saved)
     differing = []

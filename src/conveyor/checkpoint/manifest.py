@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import pickle
 import re
@@ -25,7 +24,6 @@ __all__ = [
     "raise_problems", "read_manifest", "remove_dir", "sha256_file", "step_dir_name", "verify",
 ]
 
-logger = logging.getLogger(__name__)
 
 FORMAT = "conveyor-checkpoint/1"
 MANIFEST = "manifest.json"

@@ -3,7 +3,6 @@ or as a flat dictionary of everything it holds."""
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -25,8 +24,6 @@ from conveyor.checkpoint.manifest import (
 )
 
 __all__ = ["load_model", "model_state_dict", "read_checkpoint"]
-
-logger = logging.getLogger(__name__)
 
 
 def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str, Any]:

@@ -3,13 +3,11 @@ progress, and the layout (split, placement, schedule) it was saved with."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import logging
 import pickle
 import random
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,15 +17,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-if TYPE_CHECKING:
-    from conveyor.pipeline import Pipeline
+from conveyor.pipeline import Pipeline
 
 __all__ = [
     "LAYOUT_FIELDS", "NUMERICS_FIELDS", "ModelState", "OptimizerState", "Progress",
     "RandomState", "describe_layout", "rank_module",
 ]
 
-logger = logging.getLogger(__name__)
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed by parameter name, one entry per parameter and hyperparameter
@@ -43,7 +39,6 @@ NUMERICS_FIELDS = ("schedule", "num_microbatches", "loss_reduction", "seed")
 
 def describe_layout(pipe: Pipeline) -> dict[str, Any]:
     """The split, placement and schedule of ``pipe``, as plain data for the manifest."""
-    config = dataclasses.asdict(pipe.config)
     return {
         "split_points": list(pipe.split_points),
         "placement": [stage.rank for stage in pipe.graph.stages],
@@ -54,7 +49,7 @@ def describe_layout(pipe: Pipeline) -> dict[str, Any]:
         "loss_reduction": pipe.config.loss_reduction,
         "seed": pipe.config.seed,
         "program_sha256": hashlib.sha256(str(pipe.program).encode()).hexdigest(),
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
+        "config": pipe.config.to_dict(),
     }
 
 
@@ -70,12 +65,10 @@ def rank_module(pipe: Pipeline) -> nn.Module:
             *path, leaf = name.split(".")
             owner = root
             for part in path:
-                child = owner._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    owner.add_module(part, child)
-                owner = child
-            if leaf not in owner._parameters:
+                if part not in dict(owner.named_children()):
+                    owner.add_module(part, nn.Module())
+                owner = owner.get_submodule(part)
+            if leaf not in dict(owner.named_parameters(recurse=False)):
                 owner.register_parameter(leaf, parameter)
     return root
 

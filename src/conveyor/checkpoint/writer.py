@@ -4,7 +4,6 @@ it writes, clear errors naming the file, and the checkpoint-write fault points."
 from __future__ import annotations
 
 import io
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,12 +15,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from conveyor import faults
 from conveyor.checkpoint.manifest import FileEntry, file_entry
+from conveyor.runtime import faults
 
 __all__ = ["Writer"]
-
-logger = logging.getLogger(__name__)
 
 
 class Writer(FileSystemWriter):

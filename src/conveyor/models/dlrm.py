@@ -11,7 +11,6 @@ different ranks at once.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -19,8 +18,6 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 __all__ = ["DLRM", "Embeddings", "click_batches", "click_loss", "dlrm", "mlp"]
-
-logger = logging.getLogger(__name__)
 
 
 def mlp(widths: Sequence[int], last_activation: bool = True) -> nn.Sequential:

@@ -15,8 +15,6 @@ __all__ = [
     "unigram_entropy",
 ]
 
-logger = logging.getLogger(__name__)
-
 
 class Embedding(nn.Module):
     """Token plus learned position embeddings, then dropout."""

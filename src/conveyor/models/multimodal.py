@@ -9,8 +9,6 @@ positions), and the head is light: split as text | image | head, the towers run 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
@@ -19,8 +17,6 @@ from conveyor.models.gpt import Block
 
 __all__ = ["EncoderBlock", "FusionHead", "ImageTower", "TextTower", "TwoTower",
            "classification_loss", "multimodal_batches", "two_tower"]
-
-logger = logging.getLogger(__name__)
 
 
 class EncoderBlock(Block):

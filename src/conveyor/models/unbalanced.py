@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -10,8 +9,6 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 __all__ = ["MLPBlock", "mse", "regression_batch", "unbalanced_mlp"]
-
-logger = logging.getLogger(__name__)
 
 
 class MLPBlock(nn.Module):

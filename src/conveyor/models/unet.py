@@ -1,7 +1,7 @@
-"""A small U-Net as an nn.Sequential whose long skips are stash/pop layers (conveyor.skip).
+"""A small U-Net as an nn.Sequential whose long skips are stash/pop layers (conveyor.split.skip).
 
     model = unet(depth=3)          # Down, Down, Down, Bottom, Up, Up, Up, Head: 8 layers
-    model(images)                  # plain PyTorch: the skips pass through conveyor.skip
+    model(images)                  # plain PyTorch: the skips pass through conveyor.split.skip
     Pipeline(model, balance=[2, 2, 2, 2], loss_fn=segmentation_loss)
 Each ``Down`` stashes its features before pooling and the ``Up`` at the same level pops
 them, so in a pipeline every skip goes straight from the encoder's rank to the decoder's.
@@ -9,18 +9,14 @@ them, so in a pipeline every skip goes straight from the encoder's rank to the d
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from conveyor.skip import pop, rename, skippable, stash
+from conveyor.split.skip import pop, rename, skippable, stash
 
 __all__ = ["Bottom", "Down", "SegmentationHead", "Up", "segmentation_batches",
            "segmentation_loss", "unet"]
-
-logger = logging.getLogger(__name__)
 
 
 def _convolutions(in_channels: int, out_channels: int) -> nn.Sequential:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from conveyor.graph import StageGraph
-from conveyor.schedule.program import Action, Kind, Program, add_communication
+from conveyor.program import Action, Kind, Program, add_communication
 
 __all__ = ["forward_only", "gpipe", "one_f_one_b"]
-
-logger = logging.getLogger(__name__)
 
 
 # GPipe, 2 stages, 2 micro-batches (B costs two F):

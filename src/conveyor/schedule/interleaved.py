@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from conveyor.graph import StageGraph
-from conveyor.schedule.program import Action, Kind, Program, add_communication
+from conveyor.program import Action, Kind, Program, add_communication
 
 __all__ = ["interleaved_1f1b", "loop_chunks", "require_chain", "rounds"]
-
-logger = logging.getLogger(__name__)
 
 
 # Interleaved 1F1B, 2 ranks x 2 chunks (stage s on rank s % 2), 4 micro-batches, F=1 B=2 per
@@ -20,7 +16,7 @@ logger = logging.getLogger(__name__)
 # rank 0 | 0F0 0F1 2F0 2F1 0F2  .  2B0 2B0 0F3 2B1 2B1 2F2 0B0 0B0 2F3 0B1 0B1  .  2B2 2B2 ...
 # rank 1 |  .  1F0 1F1 3F0 3B0 3B0 3F1 3B1 3B1 1F2 1B0 1B0 1F3 1B1 1B1 3F2 3B2 3B2 3F3 3B3 ...
 #
-# See Note [interleaved remainder]
+# Note [interleaved remainder]:
 # Megatron-LM needs m to be a multiple of p. Here the m micro-batches form max(1, m // p)
 # rounds whose sizes differ by at most one, larger rounds first, so every round has at least
 # p micro-batches when m >= p: a remainder makes some rounds one micro-batch longer. That
@@ -60,7 +56,7 @@ def interleaved_1f1b(graph: StageGraph, num_microbatches: int) -> Program:
 
 def rounds(num_microbatches: int, num_ranks: int) -> list[int]:
     """Round sizes of interleaved schedules: max(1, m // p) rounds, sizes differing by at
-    most one, larger first (see Note [interleaved remainder])."""
+    most one, larger first (See Note [interleaved remainder])."""
     count = max(1, num_microbatches // num_ranks)
     base, extra = divmod(num_microbatches, count)
     return [base + (1 if i < extra else 0) for i in range(count)]

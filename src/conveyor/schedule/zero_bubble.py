@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 from conveyor.graph import StageGraph
+from conveyor.program import Action, Kind, Program, add_communication
 from conveyor.schedule.interleaved import require_chain
-from conveyor.schedule.program import Action, Kind, Program, add_communication
 
 __all__ = ["v_chunks", "zb_h1", "zb_v"]
-
-logger = logging.getLogger(__name__)
 
 
 # ZB-H1, 3 stages, 6 micro-batches, F = I = W = 1 unit: 1F1B with each B split into I (input

@@ -1,0 +1,100 @@
+"""Start ranks with torchrun, after taking conveyor's own options off its arguments.
+
+    torchrun(take_run_options(["--trace", "runs/t", "-n", "2", "train.py", "--lr", "1e-3"]))
+conveyor's options come before the script and reach every rank as environment variables
+(conveyor.config: PLAN_ENV, TRACE_ENV, CHECKPOINT_DIR_ENV); everything else is torchrun's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from conveyor.config import CHECKPOINT_DIR_ENV, PLAN_ENV, TRACE_ENV, read_plan
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def _check_plan(path: str) -> None:
+    read_plan(path)  # fail now, not on every rank
+
+
+RUN_OPTIONS: dict[str, tuple[str, str, Callable[[str], None] | None]] = {
+    "--trace": (TRACE_ENV, "DIR", None),
+    "--plan": (PLAN_ENV, "FILE", _check_plan),
+    "--checkpoint-dir": (CHECKPOINT_DIR_ENV, "DIR", None),
+}
+"""conveyor run's own options: flag -> (environment variable, value name, check)."""
+
+_MULTI_NODE = ("--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
+               "--nnodes", "--standalone")
+
+
+def take_run_options(tokens: Sequence[str]) -> list[str]:
+    """Strip conveyor's options (before the script) from ``conveyor run``'s arguments and
+    export each as its environment variable, an absolute path; returns the rest for torchrun.
+
+    Raises:
+        ValueError: an option without its value.
+    """
+    rest: list[str] = []
+    tokens = list(tokens)
+    while tokens:
+        token = tokens.pop(0)
+        name, _, value = token.partition("=")
+        if name in RUN_OPTIONS:
+            variable, what, check = RUN_OPTIONS[name]
+            if not value:
+                if not tokens or tokens[0].startswith("-"):
+                    raise ValueError(f"{name} needs a value: {name} {what}")
+                value = tokens.pop(0)
+            if check is not None:
+                check(value)
+            os.environ[variable] = str(Path(value).resolve())
+            continue
+        rest.append(token)
+        if token.endswith(".py") or token in ("-m", "--module"):
+            return rest + tokens  # the script and its own arguments
+    return rest
+
+
+def torchrun(arguments: list[str]) -> int:
+    """Start ranks with torchrun (torch.distributed.run); this machine alone unless the
+    arguments name a rendezvous. Returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if not any(a.split("=")[0] in _MULTI_NODE for a in arguments):
+        arguments = ["--standalone", *arguments]
+    launcher = get_args_parser()
+    launcher.add_argument("-n", dest="nproc_per_node", default="2", help="ranks per node")
+    launch = launcher.parse_args(arguments)
+    if int(launch.nproc_per_node) < 1:
+        raise ValueError(f"-n must be >= 1, got {launch.nproc_per_node}")
+    if not launch.module and not Path(launch.training_script).is_file():
+        raise FileNotFoundError(f"script {launch.training_script!r} not found; usage: conveyor "
+                                "run [-n N] [torchrun options] script.py [script args]")
+    if launch.max_restarts:
+        # a restarted group must not rendezvous through the store the lost one used: its stale
+        # addresses make gloo connect to dead ports (pytorch/pytorch#135712)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    try:
+        run(launch)  # type: ignore[no-untyped-call]  # torchrun's entry point is untyped
+    except ChildFailedError as error:  # each rank's own error is printed above
+        rank, failure = error.get_first_failure()
+        cause = failure.signal_name() if failure.exitcode < 0 else "an exception, see above"
+        restarts = (f"no restarts left (--max-restarts {launch.max_restarts} used up)"
+                    if launch.max_restarts
+                    else "no restarts: pass --max-restarts N (and save with a Checkpointer) "
+                    "to resume")
+        logger.error("rank %d (local rank %d) failed first: exit code %d (%s); %s", rank,
+                     failure.local_rank, failure.exitcode, cause, restarts)
+        return 1
+    except Exception as error:
+        logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)
+        return 1
+    return 0

@@ -1,0 +1,44 @@
+"""Profile and plan: measure a model, predict any configuration, pick the best that fits.
+
+    report = plan(load_workload("gpt"), num_ranks=2, memory_budget=2**30, batch_size=32)
+    print(report.table()); report.write("plan.json")   # Pipeline(model, plan="plan.json")
+
+Modules: ``profile`` (per-layer time and memory), ``calibrate`` (runtime overheads, the link
+between ranks, and fitting a profile to a traced run), ``cost`` (a profile as the simulator's
+cost model), ``partition`` (optimal splits of a profiled model), ``search`` (the planner),
+``report`` (its plans and plan file) and ``workloads`` (models known by name).
+"""
+
+from conveyor.planner.calibrate import (
+    fit,
+    fit_to_run,
+    measure_link,
+    measure_local,
+    measure_overheads,
+    measured_profile,
+    profile_local,
+    profile_together,
+)
+from conveyor.planner.cost import Prediction, ProfileCost, layout, predict, split_units
+from conveyor.planner.profile import (
+    Link,
+    Overheads,
+    Profile,
+    Unit,
+    UnitStats,
+    Workload,
+    profile_model,
+    scaled,
+    trace_units,
+)
+from conveyor.planner.report import Objective, Plan, PlanReport, stage_graph_for
+from conveyor.planner.search import plan
+from conveyor.planner.workloads import EXAMPLES, example, load_workload
+
+__all__ = [
+    "EXAMPLES", "Link", "Objective", "Overheads", "Plan", "PlanReport", "Prediction",
+    "Profile", "ProfileCost", "Unit", "UnitStats", "Workload", "example", "fit", "fit_to_run",
+    "layout", "load_workload", "measure_link", "measure_local", "measure_overheads",
+    "measured_profile", "plan", "predict", "profile_local", "profile_model", "profile_together",
+    "scaled", "split_units", "stage_graph_for", "trace_units",
+]

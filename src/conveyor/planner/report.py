@@ -1,0 +1,164 @@
+"""The planner's result: the plans it simulated, the best one, and the plan file it writes.
+
+    report.table()                 # the top plans, predicted
+    report.write("plan.json")      # Pipeline(model, plan="plan.json"), conveyor run --plan
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from conveyor.files import write_atomic
+from conveyor.graph import StageGraph
+from conveyor.planner.cost import layout
+from conveyor.planner.profile import Profile
+from conveyor.runtime.recompute import RecomputeMode
+
+__all__ = ["Objective", "Plan", "PlanReport", "stage_graph_for"]
+
+Objective = Literal["time", "memory", "both", "even"]
+"""What a split balances: stage time, stage memory, both (relative to even shares), or an
+even count of units."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration and its prediction."""
+
+    schedule: str
+    num_microbatches: int
+    stage_units: tuple[tuple[int, ...], ...]
+    """Unit indices of each stage (see ``conveyor.planner.profile``)."""
+    placement: tuple[int, ...]
+    checkpoint: tuple[RecomputeMode, ...]
+    """Activation checkpointing of each stage."""
+    balanced_by: Objective
+    step_time: float
+    bubble_fraction: float
+    peak_activation: tuple[int, ...]
+    total_memory: tuple[int, ...]
+    """Per rank: parameters, gradients, optimizer state and peak activations."""
+    fits: bool
+    batch_size: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batch_size / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def balance(self) -> tuple[int, ...]:
+        return tuple(len(units) for units in self.stage_units)
+
+
+@dataclass
+class PlanReport:
+    """The plans the search simulated, fastest first (plans that fit before those that don't)."""
+
+    plans: list[Plan]
+    profile: Profile
+    num_ranks: int
+    memory_budget: int
+    batch_size: int
+    elapsed_s: float
+    notes: list[str] = field(default_factory=list)
+    """Schedules or settings the search skipped, and why."""
+    sequential_children: list[str] | None = None
+    """Names of the model's layers when the units are exactly an nn.Sequential's children."""
+    pruned: int = 0
+    """Candidates not simulated: their lower bound could not make the top plans."""
+
+    @property
+    def best(self) -> Plan:
+        """The fastest plan that fits the budget."""
+        fitting = [p for p in self.plans if p.fits]
+        if not fitting:
+            raise ValueError(self._nothing_fits())
+        return fitting[0]
+
+    def _nothing_fits(self) -> str:
+        smallest = min(self.plans, key=lambda p: max(p.total_memory))
+        return (f"no plan fits in {_gib(self.memory_budget)} per rank; the smallest memory any "
+                f"plan needs is {_gib(max(smallest.total_memory))} per rank "
+                f"({smallest.schedule}, {smallest.num_microbatches} micro-batches, "
+                f"checkpointing {_modes(smallest.checkpoint)}); raise the budget, add ranks or "
+                "use a smaller batch")
+
+    def pipeline_config(self, chosen: Plan | None = None) -> dict[str, Any]:
+        """PipelineConfig fields that run ``chosen`` (default: the best plan)."""
+        chosen = chosen or self.best
+        fields: dict[str, Any] = {"schedule": chosen.schedule,
+                                  "num_microbatches": chosen.num_microbatches}
+        flat = [u for units in chosen.stage_units for u in units]
+        if flat != sorted(flat):  # branches on their own stages: name each stage's modules
+            fields["stage_modules"] = [",".join(self.profile.units[u].target for u in units
+                                                if self.profile.units[u].target)
+                                       for units in chosen.stage_units]
+        elif self.sequential_children is not None:
+            fields["balance"] = list(chosen.balance)
+        else:
+            fields["split_points"] = [self.profile.units[units[0]].target
+                                      for units in chosen.stage_units[1:]]
+        if list(chosen.placement) != list(range(len(chosen.placement))):
+            fields["placement"] = list(chosen.placement)
+        if any(mode != "never" for mode in chosen.checkpoint):
+            fields["stage_checkpoint"] = list(chosen.checkpoint)
+        return fields
+
+    def write(self, path: str | os.PathLike[str], chosen: Plan | None = None) -> Path:
+        """Write a plan file that ``Pipeline(model, plan=path)`` and ``conveyor run --plan``
+        accept: the PipelineConfig fields under ``pipeline``, the prediction beside them."""
+        chosen = chosen or self.best
+        data = {
+            "pipeline": self.pipeline_config(chosen),
+            "model": self.profile.model, "ranks": self.num_ranks,
+            "batch_size": self.batch_size, "memory_budget": self.memory_budget,
+            "prediction": {
+                "step_time_s": chosen.step_time, "samples_per_s": chosen.samples_per_s,
+                "bubble_fraction": chosen.bubble_fraction,
+                "peak_activation_bytes": list(chosen.peak_activation),
+                "total_memory_bytes": list(chosen.total_memory),
+                "stage_units": [[self.profile.units[u].name for u in units]
+                                for units in chosen.stage_units]},
+        }
+        return write_atomic(path, json.dumps(data, indent=1) + "\n")
+
+    def table(self, top: int = 10) -> str:
+        """The top plans as a text table."""
+        rows = [f"{'#':>2}  {'schedule':<17}{'mb':>4}  {'split':<16}{'checkpoint':<14}"
+                f"{'step ms':>9}{'samples/s':>11}{'bubble':>8}  {'memory/rank (max)':>17}  fits"]
+        for index, p in enumerate(self.plans[:top], start=1):
+            split = ",".join(map(str, p.balance))
+            rows.append(
+                f"{index:>2}  {p.schedule:<17}{p.num_microbatches:>4}  {_short(split, 15):<16}"
+                f"{_short(_modes(p.checkpoint), 13):<14}{p.step_time * 1e3:>9.2f}"
+                f"{p.samples_per_s:>11.1f}{p.bubble_fraction:>8.1%}  "
+                f"{_gib(max(p.total_memory)):>17}  {'yes' if p.fits else 'NO'}")
+        return "\n".join(rows)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "~"
+
+
+def _modes(modes: Sequence[str]) -> str:
+    if len(set(modes)) == 1:
+        return modes[0]
+    letters = {"never": "N", "except_last": "E", "always": "A"}
+    return "".join(letters[m] for m in modes)
+
+
+def _gib(value: float) -> str:
+    if value >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value / 2**20:.1f} MiB"
+
+
+def stage_graph_for(report: PlanReport, chosen: Plan) -> StageGraph:
+    """The module-less StageGraph of a plan (for simulating or drawing it)."""
+    return layout(report.profile, [list(u) for u in chosen.stage_units],
+                  list(chosen.placement))[0]

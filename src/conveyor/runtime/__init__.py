@@ -1,0 +1,12 @@
+"""Run one rank's Program: the interpreter and everything it needs.
+
+Modules: ``interpreter`` (the Runtime: forward, backward, send and receive, one small handler
+per action kind), ``comm`` (point-to-point transport of pytrees; PeerLostError), ``backward``
+(split backward: I now, W later), ``recompute`` (activation recomputation modes and rule),
+``rng`` (each micro-batch's random stream), ``microbatch`` (splitting and merging batches),
+``memory`` (activation accounting), ``batchnorm`` (deferred batch norm), ``tied`` (weights
+shared across ranks), ``host_memory`` (keeping freed memory) and ``faults`` (fault injection
+for recovery tests). Users reach what they need through ``conveyor`` and ``Pipeline``.
+"""
+
+__all__: list[str] = []

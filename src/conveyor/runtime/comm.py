@@ -1,0 +1,293 @@
+"""Point-to-point transport of pytrees between ranks of a pipeline process group."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from conveyor.torch_compat import default_store, pytree
+from conveyor.trace import Recorder
+
+__all__ = ["P2P", "LeafMeta", "Meta", "PeerLostError", "Receive"]
+
+
+class PeerLostError(RuntimeError):
+    """A peer rank stopped answering: it crashed, was killed, or is stuck."""
+
+
+@dataclass(frozen=True)
+class LeafMeta:
+    """A pytree leaf as the receiver needs to know it: a tensor's shape and dtype, or a value."""
+
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    requires_grad: bool = False
+    constant: Any = None
+    """The leaf itself when it is not a tensor (ints, strings, None travel in the header)."""
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def nbytes(self) -> int:
+        if self.shape is None or self.dtype is None:
+            return 0
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Structure, shapes and dtypes of a message; sent once per input signature."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple[LeafMeta, ...]
+
+    @classmethod
+    def of(cls, value: Any) -> Meta:
+        leaves, spec = pytree.tree_flatten(value)
+        return cls(spec, tuple(
+            LeafMeta(tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor) else LeafMeta(constant=leaf) for leaf in leaves))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def grad_indices(self) -> list[int]:
+        """Leaves that carry a gradient back: tensors that require one."""
+        return [i for i, leaf in enumerate(self.leaves) if leaf.requires_grad]
+
+
+@dataclass(eq=False)
+class Receive:
+    """A posted receive: its buffers fill in the background until ``P2P.wait``."""
+
+    src: int
+    describe: str
+    meta: Meta | None
+    same_as: Receive | None = None
+    """An earlier receive on this channel whose header describes this one too."""
+    works: list[dist.Work] = field(default_factory=list)
+    buffers: list[torch.Tensor | None] = field(default_factory=list)
+    started: bool = False
+
+
+class P2P:
+    """Non-blocking sends and in-order receives with a group-relative rank for each peer.
+
+    Receives from one peer are posted in the order the peer sends (See Note [receive
+    placement]); a receive whose shapes are not known yet waits for the sender's header, and
+    receives behind it on the same channel wait their turn, so the order holds.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
+                 timeout: timedelta) -> None:
+        self.group = group
+        self.device = device
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+        self._upward, self._downward = _directions(group, timeout)
+        """Groups for messages to higher and to lower ranks (None: ``group`` both ways);
+        See Note [a group per direction]."""
+        self._queues: dict[int, deque[Receive]] = {}
+        self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
+        self.recorder: Recorder | None = None
+        """Set to record waits and bytes sent (conveyor.trace); None costs nothing."""
+
+    def send(self, value: Any, dst: int, describe: str, header: Meta | None = None) -> None:
+        """Start sending ``value`` to group rank ``dst``, preceded by ``header`` if given."""
+        if header is not None:
+            encoded = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8)
+            self._isend(torch.tensor([encoded.numel()]), dst, describe)
+            self._isend(encoded, dst, describe)
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() > 0:
+                self._isend(_as_bytes(leaf.detach()), dst, describe)
+                if self.recorder is not None:
+                    self.recorder.sent(leaf.numel() * leaf.element_size())
+
+    def post(self, src: int, meta: Meta | None, describe: str,
+             same_as: Receive | None = None) -> Receive:
+        """Post a receive from group rank ``src``.
+
+        With ``meta=None`` a header comes first, unless ``same_as`` names an earlier receive
+        whose header holds for this one too.
+        """
+        receive = Receive(src, describe, meta, same_as)
+        queue = self._queues.setdefault(src, deque())
+        if meta is not None and not queue:
+            self._start(receive)
+        else:
+            queue.append(receive)
+        return receive
+
+    def wait(self, receive: Receive) -> Any:
+        """Block until ``receive`` has arrived and return its value."""
+        queue = self._queues[receive.src]
+        start = 0.0 if self.recorder is None else self.recorder.now()
+        while not receive.started:
+            pending = queue.popleft()
+            if pending.meta is None:
+                pending.meta = (pending.same_as.meta if pending.same_as is not None
+                                else self._recv_header(pending))
+            self._start(pending)
+        for work in receive.works:
+            self._wait(work, receive.src, f"receiving {receive.describe}")
+        assert receive.meta is not None
+        if self.recorder is not None:
+            self.recorder.wait(receive.describe, start, self.recorder.now(), receive.meta.nbytes)
+        leaves = []
+        for leaf, buffer in zip(receive.meta.leaves, receive.buffers, strict=True):
+            if not leaf.is_tensor:
+                leaves.append(leaf.constant)
+                continue
+            assert leaf.shape is not None and leaf.dtype is not None
+            tensor = (torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
+                      if buffer is None else buffer.view(leaf.dtype).view(leaf.shape))
+            leaves.append(tensor.requires_grad_(leaf.requires_grad))
+        return pytree.tree_unflatten(leaves, receive.meta.spec)
+
+    def wait_sends(self) -> None:
+        """Block until every started send has been delivered."""
+        sends, self._sends = self._sends, []
+        start = 0.0 if self.recorder is None else self.recorder.now()
+        for work, dst, describe, _ in sends:
+            self._wait(work, dst, f"sending {describe}")
+        if self.recorder is not None and sends:
+            self.recorder.wait("sends", start, self.recorder.now())
+
+    def _start(self, receive: Receive) -> None:
+        assert receive.meta is not None
+        for leaf in receive.meta.leaves:
+            if not leaf.is_tensor or leaf.nbytes == 0:
+                receive.buffers.append(None)
+                continue
+            buffer = torch.empty(leaf.nbytes, dtype=torch.uint8, device=self.device)
+            receive.buffers.append(buffer)
+            receive.works.append(self._irecv(buffer, receive.src, receive.describe))
+        receive.started = True
+
+    def _recv_header(self, receive: Receive) -> Meta:
+        doing = f"receiving the header of {receive.describe}"
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(self._irecv(size, receive.src, receive.describe), receive.src, doing)
+        header = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(self._irecv(header, receive.src, receive.describe), receive.src, doing)
+        with warnings.catch_warnings():  # torch's own TreeSpec unpickling warns about itself
+            warnings.simplefilter("ignore", FutureWarning)
+            meta = pickle.loads(header.cpu().numpy().tobytes())
+        assert isinstance(meta, Meta)
+        return meta
+
+    def _isend(self, tensor: torch.Tensor, dst: int, describe: str) -> None:
+        tensor = tensor.to(self.device)
+        with self._naming_lost(dst, f"sending {describe}"):
+            way = self._upward if dst > self.rank else self._downward
+            work = dist.isend(tensor, group=way or self.group, group_dst=dst)
+        assert work is not None
+        self._sends.append((work, dst, describe, tensor))  # keep the tensor alive until sent
+
+    def _irecv(self, buffer: torch.Tensor, src: int, describe: str) -> dist.Work:
+        with self._naming_lost(src, f"receiving {describe}"):
+            way = self._upward if src < self.rank else self._downward
+            work = dist.irecv(buffer, group=way or self.group, group_src=src)
+        assert work is not None
+        return work
+
+    def _wait(self, work: dist.Work, peer: int, doing: str) -> None:
+        with self._naming_lost(peer, doing):
+            work.wait(self.timeout)
+
+    @contextmanager
+    def _naming_lost(self, peer: int, doing: str) -> Iterator[None]:
+        """Turn the backend's error for a dead or silent peer into one that names the peer."""
+        try:
+            yield
+        except RuntimeError as error:
+            raise PeerLostError(
+                f"rank {self.rank}: lost rank {peer} while {doing} (waited at most "
+                f"{self.timeout.total_seconds():.0f}s): {error}. Rank {peer} has likely "
+                "crashed or been killed; check its log." + _first_loss(self.group, self.rank, peer)
+            ) from error
+
+
+# Note [a group per direction]:
+# Over one gloo group, a pair of ranks shares one connection both ways, and when both ranks
+# call into it at about the same time (each sends to the other) one call or the message
+# behind it stalls for a scheduler tick: measured on 2 cores, 2 ranks sending to each other
+# at once 300 times, 13-19 sends took over 1 ms (up to 5 ms) and 8-16 messages arrived over
+# 1 ms late; with a group per direction, 0-1 and 0-3. Pipelines whose ranks pass activations
+# one way while gradients come back (interleaved schedules, V placements) hit it every step.
+# So messages to higher ranks travel in one gloo group and messages to lower ranks in
+# another, made once per world and shared by every Pipeline. They are made only when the
+# pipeline spans the whole world: a group of some ranks must be made by those ranks alone
+# (``use_local_synchronization``), and torch then names it by how many groups each member
+# already has, which differs on ranks holding a tied-weight group, so the ranks would not
+# meet; a pipeline on part of the world uses its group both ways. NCCL's point-to-point
+# channels are already separate per direction.
+_DIRECTIONS: list[dist.ProcessGroup] = []
+"""The world's upward and downward group, once made."""
+
+
+def _directions(group: dist.ProcessGroup | None, timeout: timedelta
+                ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(upward, downward) gloo groups over the world, or (None, None) (``group`` both ways)
+    if ``group`` is not gloo or not the whole world. Collective the first time in a world."""
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
+        return None, None
+    if not _DIRECTIONS or not all(map(_alive, _DIRECTIONS)):  # first, or a new world
+        _DIRECTIONS[:] = [dist.new_group(timeout=timeout, backend="gloo") for _ in range(2)]
+    return _DIRECTIONS[0], _DIRECTIONS[1]
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` still exists (``destroy_process_group()`` ends every group)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, KeyError, RuntimeError):
+        return False
+    return True
+
+
+# Note [first lost rank]:
+# When rank 2 of a chain 0-1-2 dies, rank 1 sees it at once, fails, and exits; rank 0 then
+# sees rank 1 go, and would name rank 1. So each rank that loses a peer records it in the
+# group's store (the rendezvous store, which outlives the ranks), and a rank that was not the
+# first to lose one adds the first report to its message: the rank that really failed.
+def _first_loss(group: dist.ProcessGroup | None, rank: int, peer: int) -> str:
+    """Record that ``rank`` lost ``peer``; return a sentence naming an earlier report, if any."""
+    store = default_store()
+    if store is None:
+        return ""
+    try:
+        name = group.group_name if group is not None else "world"
+        mine = f"{rank}:{peer}"
+        first = store.compare_set(f"conveyor/lost/{name}", "", mine).decode()
+    except Exception:  # no store, or it went away too: the peer's own name must do
+        return ""
+    if first == mine:
+        return ""
+    reporter, lost = first.split(":")
+    return f" Rank {reporter} reported losing rank {lost} first."
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view, so every dtype (bool, complex, float8) travels on every backend."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -1,0 +1,338 @@
+"""Interpret one rank's Program: forward, backward, send and receive; no schedule logic."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as recompute
+
+from conveyor.graph import MODEL_OUTPUT, StageGraph
+from conveyor.program import Action, Kind
+from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
+from conveyor.runtime.batchnorm import recompute_context
+from conveyor.runtime.comm import P2P, Meta, Receive
+from conveyor.runtime.memory import ActivationMeter
+from conveyor.runtime.recompute import RecomputeMode, is_recomputed
+from conveyor.runtime.rng import RngState, microbatch_seed, rng_stream
+from conveyor.torch_compat import pytree
+from conveyor.trace import Recorder
+
+__all__ = ["LossFn", "Runtime", "StepInputs"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+_Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every rank knows about one step: its micro-batches and how to weigh their losses."""
+
+    microbatches: Sequence[dict[str, Any]]
+    """Model inputs by name, one dict per micro-batch."""
+    signatures: Sequence[str]
+    """Shape signature of each micro-batch; shapes between stages are exchanged once per one."""
+    targets: Sequence[Any] | None
+    loss_weights: Sequence[float]
+    step_index: int
+    is_training: bool
+
+
+@dataclass
+class _State:
+    """Everything one step keeps between actions, keyed by (stage, micro-batch)."""
+
+    inputs: dict[_Key, dict[str, Any]] = field(default_factory=dict)
+    outputs: dict[_Key, dict[str, Any]] = field(default_factory=dict)
+    rng_end: dict[_Key, RngState] = field(default_factory=dict)
+    receives: dict[Action, Receive] = field(default_factory=dict)
+    sent_meta: dict[tuple[int, int, int], Meta] = field(default_factory=dict)
+    input_grads: dict[_Key, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    weight_grads: dict[_Key, WeightGrad] = field(default_factory=dict)
+    """Deferred weight gradients: from a stage's I to its W."""
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    model_outputs: dict[int, Any] = field(default_factory=dict)
+
+
+class Runtime:
+    """Runs one rank's actions over its local stages, talking to peers through ``P2P``."""
+
+    def __init__(self, graph: StageGraph, rank: int, p2p: P2P, device: torch.device,
+                 loss_fn: LossFn | None, checkpoint: RecomputeMode | Sequence[RecomputeMode],
+                 seed: int, measure_memory: bool) -> None:
+        self.graph = graph
+        self.rank = rank
+        self.p2p = p2p
+        self.device = device
+        self.loss_fn = loss_fn
+        self.checkpoint = checkpoint
+        """One mode for every stage, or one per stage (indexed by stage)."""
+        self.seed = seed
+        self.modules: dict[int, nn.Module] = {}
+        for s in graph.stages_on(rank):
+            module = graph.stages[s].module
+            assert module is not None, f"stage {s} on rank {rank} has no module"
+            self.modules[s] = module
+        self.meter = ActivationMeter(enabled=measure_memory)
+        self.meter.exclude(p for m in self.modules.values() for p in m.parameters())
+        self.recorder: Recorder | None = None
+        """Set to record every action's start and end (conveyor.trace)."""
+        self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
+        self._handlers: dict[Kind, Callable[[Action], None]] = {
+            Kind.F: self._forward, Kind.B: self._backward,
+            Kind.I: self._backward_input, Kind.W: self._backward_weight,
+            Kind.SEND_F: self._send_forward, Kind.RECV_F: self._recv_forward,
+            Kind.SEND_B: self._send_backward, Kind.RECV_B: self._recv_backward,
+        }
+
+    def run(self, actions: Sequence[Action], step: StepInputs) -> _State:
+        """Execute ``actions`` in order; returns the step's state (losses, outputs)."""
+        self._step = step
+        self._state = _State()
+        recorder = self.recorder
+        with torch.set_grad_enabled(step.is_training):
+            for action in actions:
+                logger.debug("[rank %d] %s", self.rank, action)
+                if recorder is None:
+                    self._handlers[action.kind](action)
+                    continue
+                start = recorder.now()
+                self._handlers[action.kind](action)
+                recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
+            self.p2p.wait_sends()
+        state, self._state = self._state, _State()
+        return state
+
+    # -- forward -------------------------------------------------------------------------
+
+    def _forward(self, action: Action) -> None:
+        s, k = action.stage, action.microbatch
+        stage = self.graph.stages[s]
+        received = {u: self.p2p.wait(self._state.receives.pop(Action(s, Kind.RECV_F, k, u)))
+                    for u in self.graph.producers(s) if self.graph.rank_of(u) != self.rank}
+        args = [self._input(s, k, name, received) for name in stage.inputs]
+        end: list[RngState] = []
+        with (rng_stream(self._rng_start(s, k, received), self.device, end),
+              self.meter.saving((s, k))):
+            if self._is_recomputed(k, s):
+                out = recompute(self.modules[s], *args, use_reentrant=False,
+                                context_fn=recompute_context)
+            else:
+                out = self.modules[s](*args)
+        self._state.rng_end[(s, k)] = end[0]
+        if not isinstance(out, tuple) or len(out) != len(stage.outputs):
+            raise RuntimeError(f"rank {self.rank} (stage {s}): stage module returned "
+                               f"{type(out).__name__}; expected a tuple of {len(stage.outputs)} "
+                               f"values {list(stage.outputs)}")
+        outputs = dict(zip(stage.outputs, out, strict=True))
+        self._state.outputs[(s, k)] = outputs
+        if self._step.is_training:
+            self.meter.hold((s, k), (self._state.inputs.get((s, k)), out))
+        if s == self.graph.sink:
+            self._finish(k, outputs[MODEL_OUTPUT])
+
+    def _finish(self, k: int, output: Any) -> None:
+        """Loss of micro-batch ``k`` when training; keep the output when not."""
+        step = self._step
+        if not step.is_training:
+            self._state.model_outputs[k] = output
+            return
+        if self.loss_fn is None or step.targets is None:
+            raise ValueError("training needs a loss: pass loss_fn to the Pipeline and targets "
+                             "to step()")
+        self._state.losses[k] = self.loss_fn(output, step.targets[k]) * step.loss_weights[k]
+
+    def _input(self, s: int, k: int, name: str, received: dict[int, Any]) -> Any:
+        """One input value of stage ``s``: from the micro-batch, a local stage, or a peer."""
+        producer = self.graph.producer(name)
+        if producer is None:
+            return self._step.microbatches[k][name]
+        if producer in received:
+            value = received[producer]["values"][name]
+        else:
+            value = pytree.tree_map_only(torch.Tensor, _leaf,
+                                         self._state.outputs[(producer, k)][name])
+        self._state.inputs.setdefault((s, k), {})[name] = value
+        return value
+
+    def _rng_start(self, s: int, k: int, received: dict[int, Any]) -> RngState | int:
+        """Micro-batch ``k``'s random stream as the previous stage left it.
+
+        See Note [micro-batch randomness].
+        """
+        producers = self.graph.producers(s)
+        if not producers:  # a parallel first stage (another branch) draws from its own stream
+            seed = microbatch_seed(self.seed, self._step.step_index, k)
+            return seed if s == 0 else microbatch_seed(seed, s, 0)
+        parent = producers[-1]
+        if parent not in received:
+            return self._state.rng_end[(parent, k)]
+        cpu, *device = received[parent]["rng"]
+        return RngState(cpu.cpu(), device[0] if device else None)
+
+    def _is_recomputed(self, k: int, s: int) -> bool:
+        mode = self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[s]
+        return self._step.is_training and is_recomputed(mode, k, len(self._step.microbatches))
+
+    # -- backward ------------------------------------------------------------------------
+
+    def _backward(self, action: Action) -> None:
+        s, k = action.stage, action.microbatch
+        roots, grads = self._roots(s, k)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        inputs = self._state.inputs.pop((s, k), {})
+        self._state.input_grads[(s, k)] = {
+            name: [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                   for leaf in grad_leaves(value)]
+            for name, value in inputs.items() if self.graph.producer(name) is not None}
+        self._forget_forward(s, k)
+        self.meter.release((s, k))
+
+    def _backward_input(self, action: Action) -> None:
+        """I: the input gradients, for the producers; the weight gradient waits for W.
+
+        See Note [split backward] in conveyor.backward.
+        """
+        s, k = action.stage, action.microbatch
+        roots, grads = self._roots(s, k)
+        inputs = {name: grad_leaves(value)
+                  for name, value in self._state.inputs.pop((s, k), {}).items()
+                  if self.graph.producer(name) is not None}
+        found, weight = backward_input(roots, grads, [x for xs in inputs.values() for x in xs])
+        del roots, grads
+        found_iter = iter(found)
+        self._state.input_grads[(s, k)] = {
+            name: [_or_zeros(next(found_iter), leaf) for leaf in leaves]
+            for name, leaves in inputs.items()}
+        self._state.weight_grads[(s, k)] = weight
+        self._forget_forward(s, k)
+        self.meter.keep_only((s, k), weight.tensors())
+
+    def _backward_weight(self, action: Action) -> None:
+        """W: the weight gradients an earlier I of this stage and micro-batch deferred."""
+        s, k = action.stage, action.microbatch
+        weight = self._state.weight_grads.pop((s, k), None)
+        if weight is None:
+            raise RuntimeError(f"rank {self.rank} (stage {s}): {action} runs before {s}I{k}; a "
+                               "W needs the I of the same stage and micro-batch first")
+        weight.run()
+        self.meter.release((s, k))
+
+    def _forget_forward(self, s: int, k: int) -> None:
+        """Drop what the forward of ``(s, k)`` kept for its backward: outputs, the random
+        stream, and the loss's graph (the loss value stays)."""
+        del self._state.outputs[(s, k)]
+        self._state.rng_end.pop((s, k), None)
+        if s == self.graph.sink and k in self._state.losses:
+            self._state.losses[k] = self._state.losses[k].detach()
+
+    def _roots(self, s: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Tensors to backpropagate from and their gradients, summed over consumers.
+
+        Gradients travel as flat lists with one entry per output leaf that requires a gradient
+        (see ``grad_leaves``), for a local consumer as for a remote one.
+        """
+        outputs = self._state.outputs[(s, k)]
+        totals: dict[str, list[torch.Tensor]] = {}
+        for consumer in self.graph.consumers(s):
+            names = self.graph.edge_values(s, consumer)
+            if self.graph.rank_of(consumer) == self.rank:
+                consumed = self._state.input_grads[(consumer, k)]
+                per_name = [consumed.pop(name) for name in names]
+            else:
+                flat = self.p2p.wait(self._state.receives.pop(Action(s, Kind.RECV_B, k, consumer)))
+                per_name, start = [], 0
+                for name in names:
+                    count = len(grad_leaves(outputs[name]))
+                    per_name.append(flat[start:start + count])
+                    start += count
+            for name, grads in zip(names, per_name, strict=True):
+                total = totals.get(name)
+                totals[name] = (grads if total is None
+                                else [a + b for a, b in zip(total, grads, strict=True)])
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
+        if s == self.graph.sink:
+            roots.append(self._state.losses[k])
+            root_grads.append(None)
+        for name, grads in totals.items():
+            roots.extend(grad_leaves(outputs[name]))
+            root_grads.extend(grads)
+        return roots, root_grads
+
+    # -- communication -------------------------------------------------------------------
+
+    def _send_forward(self, action: Action) -> None:
+        s, k, d = action.stage, action.microbatch, action.peer
+        assert d is not None
+        outputs = self._state.outputs[(s, k)]
+        values = {name: outputs[name] for name in self.graph.edge_values(s, d)}
+        rng = self._state.rng_end[(s, k)]
+        message = {"values": values,
+                   "rng": (rng.cpu,) if rng.device is None else (rng.cpu, rng.device)}
+        meta = Meta.of(message)
+        key = (s, d, self._step.signatures[k], self._step.is_training)
+        known = self._meta.get(key)
+        assert not isinstance(known, Receive), "a sender's cache holds only what it sent"
+        if known is not None and known != meta:
+            raise RuntimeError(
+                f"rank {self.rank} (stage {s}): the values sent to stage {d} for micro-batch {k} "
+                f"changed shape for the same input shapes ({_shapes(known)} before, "
+                f"{_shapes(meta)} now); conveyor exchanges shapes once per input shape, so "
+                "a stage's output shapes must depend only on its input shapes")
+        self._meta[key] = meta
+        self._state.sent_meta[(s, d, k)] = Meta.of(values)
+        self.p2p.send(message, self.graph.rank_of(d), str(action),
+                      header=meta if known is None else None)
+
+    def _recv_forward(self, action: Action) -> None:
+        s, k, u = action.stage, action.microbatch, action.peer
+        assert u is not None
+        key = (u, s, self._step.signatures[k], self._step.is_training)
+        known = self._meta.get(key)
+        if isinstance(known, Receive) and known.meta is not None:
+            known = self._meta[key] = known.meta
+        if isinstance(known, Meta):
+            receive = self.p2p.post(self.graph.rank_of(u), known, str(action))
+        else:  # the shapes arrive in a header, with the first message of this signature
+            receive = self.p2p.post(self.graph.rank_of(u), None, str(action), same_as=known)
+            self._meta.setdefault(key, receive)
+        self._state.receives[action] = receive
+
+    def _send_backward(self, action: Action) -> None:
+        s, k, u = action.stage, action.microbatch, action.peer
+        assert u is not None
+        grads = self._state.input_grads[(s, k)]
+        message = [grad for name in self.graph.edge_values(u, s) for grad in grads.pop(name)]
+        if not grads:
+            del self._state.input_grads[(s, k)]
+        self.p2p.send(message, self.graph.rank_of(u), str(action))
+
+    def _recv_backward(self, action: Action) -> None:
+        s, k, d = action.stage, action.microbatch, action.peer
+        assert d is not None
+        sent = self._state.sent_meta.pop((s, d, k))
+        meta = Meta.of([torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+                        for leaf in sent.leaves if leaf.requires_grad and leaf.shape is not None])
+        self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
+
+
+def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(leaf) if grad is None else grad
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A new autograd leaf sharing ``tensor``'s data, so each stage backpropagates alone."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
+def _shapes(meta: Meta) -> str:
+    return ", ".join(f"{tuple(leaf.shape)} {leaf.dtype}".replace("torch.", "")
+                     for leaf in meta.leaves if leaf.shape is not None)

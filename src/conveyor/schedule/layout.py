@@ -1,0 +1,68 @@
+"""Where a schedule wants its stages: stages per rank and their placement, in one rule.
+
+    stage_placement("zb-v", num_ranks=4)          # [0, 1, 2, 3, 3, 2, 1, 0]
+    stage_placement("1f1b", 2, num_stages=2)      # [0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conveyor.graph import PlacementStyle, StageGraph, place
+from conveyor.program import Program
+
+__all__ = ["LAYOUTS", "Layout", "Schedule", "layout_of", "stage_placement"]
+
+Schedule = Callable[[StageGraph, int], Program]
+"""A schedule: (stage graph, number of micro-batches) -> Program."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a schedule wants stages laid out: its default stages per rank and placement."""
+
+    virtual_stages: int = 1
+    """Stages per rank when the split does not say (balance or split points do)."""
+    placement: PlacementStyle = "loop"
+    """'loop': stage s on rank s mod p; 'v': down the ranks and back (see graph.place)."""
+
+
+LAYOUTS: dict[str, Layout] = {
+    "interleaved-1f1b": Layout(virtual_stages=2, placement="loop"),
+    "zb-v": Layout(virtual_stages=2, placement="v"),
+}
+"""Layouts of the schedules that need more than one stage per rank; others use Layout()."""
+
+
+def layout_of(schedule: str | Schedule) -> Layout:
+    """The layout a named schedule wants; ``Layout()`` for others, files and callables."""
+    return LAYOUTS.get(schedule, Layout()) if isinstance(schedule, str) else Layout()
+
+
+def stage_placement(schedule: str | Schedule, num_ranks: int, *, num_stages: int | None = None,
+                    virtual_stages: int | None = None,
+                    style: PlacementStyle | None = None) -> list[int]:
+    """Rank of each stage when ``schedule`` runs on ``num_ranks`` ranks.
+
+    ``num_stages`` is what the split fixes (balance, split points), else ``virtual_stages``
+    per rank (default: the schedule's); stages share ranks by ``style`` (default: the
+    schedule's). A stage count that is not a multiple of the ranks keeps stage i on rank i,
+    so the split can say that the counts do not match.
+
+    Raises:
+        ValueError: ``virtual_stages`` and ``num_stages`` disagree, or a count is below 1.
+    """
+    wanted = layout_of(schedule)
+    per_rank = virtual_stages or wanted.virtual_stages
+    if num_ranks < 1 or per_rank < 1:
+        raise ValueError(f"ranks and stages per rank must be >= 1, got {num_ranks} and "
+                         f"{per_rank}")
+    if virtual_stages is not None and num_stages not in (None, per_rank * num_ranks):
+        raise ValueError(f"virtual_stages={per_rank} on {num_ranks} ranks makes "
+                         f"{per_rank * num_ranks} stages, but the split has {num_stages}; "
+                         "drop virtual_stages or give a split with that many stages")
+    num_stages = num_stages or per_rank * num_ranks
+    if num_stages % num_ranks:
+        return list(range(num_stages))
+    return place(num_stages, num_ranks, style or wanted.placement)

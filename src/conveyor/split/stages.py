@@ -1,0 +1,131 @@
+"""From a node-to-stage assignment of a traced model to a StageGraph of fx.GraphModules.
+
+Internal to conveyor.split: every split method (points, modules, auto) assigns each node of
+the traced graph to a stage and calls ``build_stage_graph``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import fx, nn
+
+from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
+
+__all__ = ["build_stage_graph"]
+
+def place_attributes(graph: fx.Graph, assignment: dict[fx.Node, int], num_stages: int) -> None:
+    """Parameters and buffers live with the stages that use them; the output ends the model."""
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.users:
+            assignment[node] = min(assignment[user] for user in node.users)
+        elif node.op == "output":
+            assignment[node] = num_stages - 1
+
+
+def sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int]) -> None:
+    """Move functions (``x[:, None]``, ``x.view(...)``) that use no parameter into the stage
+    that uses them when that stage receives all their inputs anyway:
+    sending the result as well would only duplicate bytes."""
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            if node.op not in ("call_function", "call_method") or not node.users:
+                continue
+            if any(p.op == "get_attr" for p in node.all_input_nodes):
+                continue
+            target = min(stage[u] for u in node.users)
+            if target <= stage[node]:
+                continue
+            received = all(
+                p.op in ("placeholder", "get_attr") or stage[p] == target
+                or any(u is not node and stage.get(u) == target for u in p.users)
+                for p in node.all_input_nodes)
+            if received:
+                stage[node] = target
+                changed = True
+
+
+def build_stage_graph(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Node, int],
+                      placement: Sequence[int], relay_skips: bool = False) -> StageGraph:
+    """Turn a node-to-stage assignment of a traced model into a StageGraph.
+
+    A value computed in stage i and used in a later stage j becomes an output of i and an
+    input of j (an edge i -> j, however far apart). With ``relay_skips`` it is instead passed
+    through every stage between i and j, as a chain pipeline must (for comparisons).
+    Parameters, buffers and model inputs are available to every stage that uses them; a
+    parameter used by stages on different ranks is a tied weight.
+    """
+    model_inputs = tuple(_value_name(n) for n in graph.nodes if n.op == "placeholder")
+    num_stages = len(placement)
+    crossing: list[list[fx.Node]] = [[] for _ in range(num_stages)]  # outputs per stage
+    consumed: list[list[fx.Node]] = [[] for _ in range(num_stages)]  # edge inputs per stage
+    origin: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        users = sorted({assignment[u] for u in node.users} - {assignment[node]})
+        if users and users[0] < assignment[node]:
+            raise ValueError(f"node {node.name} of stage {assignment[node]} is used by an "
+                             f"earlier stage {users[0]}; split points must follow forward order")
+        if not users:
+            continue
+        origin[node] = assignment[node]
+        crossing[assignment[node]].append(node)
+        if relay_skips:
+            users = list(range(assignment[node] + 1, users[-1] + 1))
+            for between in users[:-1]:
+                crossing[between].append(node)
+        for user_stage in users:
+            consumed[user_stage].append(node)
+
+    def name_at(node: fx.Node, stage: int) -> str:
+        """Name of ``node``'s value as ``stage`` outputs it (relayed copies get their own)."""
+        return node.name if stage == origin[node] else f"{node.name}.via{stage}"
+
+    stages = []
+    for index in range(num_stages):
+        module, input_nodes = _stage_module(model, graph, assignment, index, consumed[index],
+                                            crossing[index])
+        inputs = tuple(_value_name(n) if n.op == "placeholder" else
+                       name_at(n, max(origin[n], index - 1) if relay_skips else origin[n])
+                       for n in input_nodes)
+        outputs = tuple(name_at(n, index) for n in crossing[index])
+        if index == num_stages - 1:
+            outputs += (MODEL_OUTPUT,)
+        stages.append(Stage(index, placement[index], inputs, outputs, module))
+    return StageGraph(tuple(stages), model_inputs)
+
+
+def _stage_module(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Node, int],
+                  index: int, consumed: list[fx.Node],
+                  crossing: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The GraphModule of one stage and the nodes its inputs come from, in call order."""
+    stage_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    used = {arg for n in graph.nodes if assignment[n] == index for arg in n.all_input_nodes}
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and n in used]
+    inputs += [n for n in consumed if n not in inputs]
+    for node in inputs:
+        env[node] = stage_graph.placeholder(node.name)
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            wanted = any(assignment[u] == index for u in node.users)
+        else:
+            wanted = assignment[node] == index and node.op not in ("placeholder", "output")
+        if wanted:
+            env[node] = stage_graph.node_copy(node, env.__getitem__)
+    results: list[Any] = [env[n] for n in crossing]
+    output = next(n for n in graph.nodes if n.op == "output")
+    if assignment[output] == index:
+        results.append(fx.node.map_arg(output.args[0], env.__getitem__))
+    stage_graph.output(tuple(results))
+    module = fx.GraphModule(model, stage_graph, class_name=f"Stage{index}")
+    return module, inputs
+
+
+def _value_name(node: fx.Node) -> str:
+    """A model input is named after its forward parameter; any other value after its node."""
+    return str(node.target) if node.op == "placeholder" else node.name

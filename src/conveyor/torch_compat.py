@@ -1,0 +1,71 @@
+"""Every private PyTorch API conveyor uses, in one place: why, and what would replace it.
+
+Internal. A torch upgrade that moves one of these breaks this module alone; each use falls
+back to a public API where one exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Pytrees (flatten a nested batch or message to tensors and back). torch's own pytree is what
+# torch.export, DTensor and torch.distributed.pipelining use and what knows torch's containers
+# (and transformers' ModelOutput, which registers itself), so a third-party pytree (optree)
+# would disagree with it. Replace with ``torch.utils.pytree`` once torch makes it public.
+import torch.utils._pytree as pytree
+
+__all__ = ["default_store", "flatten_state_dict", "grad_unchecked", "pytree"]
+"""Internal to conveyor: listed so that its modules may import them."""
+
+
+def default_store() -> dist.Store | None:
+    """The store the default process group rendezvoused through (outlives every rank), or
+    None. No public API returns it; ``torch.distributed.distributed_c10d._get_default_store``
+    is what torch's own elastic and checkpoint code use."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        return None
+    try:
+        store: dist.Store = get()
+    except (RuntimeError, ValueError):  # no default group (anymore)
+        return None
+    return store
+
+
+def flatten_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """A nested state dict flattened to the keys torch.distributed.checkpoint stores
+    (``model.layer.weight``, ``optim.state.0.exp_avg``); to match a checkpoint's metadata
+    before loading it. DCP has no public flattening helper; this is its own
+    (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``)."""
+    from torch.distributed.checkpoint._nested_dict import (
+        flatten_state_dict as flatten,  # private: see above
+    )
+
+    flat, _ = flatten(state)
+    return dict(flat)
+
+
+def grad_unchecked(outputs: Sequence[torch.autograd.graph.GradientEdge],
+                   inputs: Sequence[torch.autograd.graph.GradientEdge],
+                   grads: Sequence[torch.Tensor],
+                   keep_graph: bool) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph,
+    allow_unused=True)`` without its Python shape checks, when torch has its engine entry.
+
+    Those checks rebuild a node's input metadata for every GradientEdge (about 0.1 ms a call,
+    where the engine itself takes 0.02); the split backward's W makes one call per weight
+    group with gradients autograd itself produced, so the checks cannot fail. The public
+    ``torch.autograd.grad`` (used when the entry is missing) computes the same.
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph,
+                                   allow_unused=True)
+    found: tuple[torch.Tensor | None, ...] = run(tuple(outputs), tuple(grads), keep_graph,
+                                                False, tuple(inputs), True,
+                                                accumulate_grad=False)
+    return found
