@@ -71,8 +71,12 @@ def _gpt() -> Workload:
     from conveyor.models import gpt, gpt_loss, text_batches
 
     torch.manual_seed(0)
-    return Workload("gpt", gpt(seq_len=64, dim=128, num_layers=6, dropout=0.0),
-                    lambda n: text_batches(n, 64, 1)[0], gpt_loss)
+    return Workload(
+        "gpt",
+        gpt(seq_len=64, dim=128, num_layers=6, dropout=0.0),
+        lambda n: text_batches(n, 64, 1)[0],
+        gpt_loss,
+    )
 
 
 def _unbalanced() -> Workload:
@@ -86,8 +90,12 @@ def _two_tower() -> Workload:
     from conveyor.models import classification_loss, multimodal_batches, two_tower
 
     torch.manual_seed(0)
-    return Workload("two-tower", two_tower(dim=128, text_layers=4, image_layers=4),
-                    lambda n: multimodal_batches(n, 1)[0], classification_loss)
+    return Workload(
+        "two-tower",
+        two_tower(dim=128, text_layers=4, image_layers=4),
+        lambda n: multimodal_batches(n, 1)[0],
+        classification_loss,
+    )
 
 
 def _chain_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]], list[int]]]:
@@ -129,8 +137,13 @@ def join_two_ranks(rank: int, store: str) -> tuple[Any, Any]:
     overheads and link."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
     return measure_overheads(), measure_link()
 
 
@@ -142,8 +155,12 @@ def spawn_two_ranks(worker: Callable[..., None], rounds: int, steps: int) -> Any
     JSON that rank 0 wrote to ``out``, and the PICTURE it drew beside it, if any."""
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory, "results.json")
-        mp.spawn(worker, args=(str(Path(directory, "store")), str(out), rounds, steps),
-                 nprocs=2, join=True)
+        mp.spawn(
+            worker,
+            args=(str(Path(directory, "store")), str(out), rounds, steps),
+            nprocs=2,
+            join=True,
+        )
         picture = out.with_name(PICTURE.name)
         return json.loads(out.read_text()), picture.read_bytes() if picture.exists() else None
 
@@ -153,19 +170,22 @@ def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
     try:
         results, profiles = [], {}
         for model in MODELS:
-            found, profiles[model.name] = _measure_model(model, rank, rounds, steps, overheads,
-                                                         link)
+            found, profiles[model.name] = _measure_model(
+                model, rank, rounds, steps, overheads, link
+            )
             results += found
-        tracing = _trace_overhead(rounds * steps * 4, profiles[MODELS[0].name], rank,
-                                  Path(out).with_name(PICTURE.name))
+        tracing = _trace_overhead(
+            rounds * steps * 4, profiles[MODELS[0].name], rank, Path(out).with_name(PICTURE.name)
+        )
         if rank == 0:
             Path(out).write_text(json.dumps({"results": results, "tracing": tracing}))
     finally:
         dist.destroy_process_group()
 
 
-def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
-                   link: Any) -> tuple[list[dict[str, Any]], Profile]:
+def _measure_model(
+    model: Model, rank: int, rounds: int, steps: int, overheads: Any, link: Any
+) -> tuple[list[dict[str, Any]], Profile]:
     workload = model.workload()
     sizes = sorted({model.batch_size // m for m in MICROBATCHES})
     profile = profile_together(workload, sizes)
@@ -175,12 +195,12 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
         for units, placement in model.layouts(name, profile.num_units):
             for m in MICROBATCHES:
                 try:  # the configurations the profile is fitted to are traced
-                    pipe = _pipeline(model, workload, name, units, placement, m,
-                                     trace=name == FIT_SCHEDULE)
+                    pipe = _pipeline(
+                        model, workload, name, units, placement, m, trace=name == FIT_SCHEDULE
+                    )
                 except ValueError as error:  # the schedule cannot run this layout
                     if rank == 0:
-                        print(f"skip {model.name} {name} {len(units)} stages: {error}",
-                              flush=True)
+                        print(f"skip {model.name} {name} {len(units)} stages: {error}", flush=True)
                     continue
                 configs.append((name, units, placement, m, pipe))
     inputs, targets = workload.batch(model.batch_size)
@@ -188,25 +208,45 @@ def _measure_model(model: Model, rank: int, rounds: int, steps: int, overheads: 
     fitted, fitted_on = _fitted(model, profile, configs, rounds * steps)
     results = []
     for (name, units, placement, m, _), measured in zip(configs, times, strict=True):
-        peaks = _peak_memory(_pipeline(model, workload, name, units, placement, m,
-                                       measure_memory=True), inputs, targets)
+        peaks = _peak_memory(
+            _pipeline(model, workload, name, units, placement, m, measure_memory=True),
+            inputs,
+            targets,
+        )
         graph, stage_units = layout(profile, units, placement)
         program = build_program(name, graph, m)
         raw, prediction = (
-            predict(program, graph, ProfileCost(chosen, graph, stage_units,
-                                                model.batch_size / m, m), record=False)
-            for chosen in (profile, fitted))
-        results.append({
-            "model": model.name, "schedule": name, "stages": len(units), "microbatches": m,
-            "measured_s": statistics.median(measured), "predicted_s": prediction.step_time,
-            "unfitted_s": raw.step_time, "fitted_on": fitted_on,
-            "is_fit": (name, len(units), m) in fitted_on,
-            "measured_peak": peaks, "predicted_peak": list(prediction.peak_activation)})
+            predict(
+                program,
+                graph,
+                ProfileCost(chosen, graph, stage_units, model.batch_size / m, m),
+                record=False,
+            )
+            for chosen in (profile, fitted)
+        )
+        results.append(
+            {
+                "model": model.name,
+                "schedule": name,
+                "stages": len(units),
+                "microbatches": m,
+                "measured_s": statistics.median(measured),
+                "predicted_s": prediction.step_time,
+                "unfitted_s": raw.step_time,
+                "fitted_on": fitted_on,
+                "is_fit": (name, len(units), m) in fitted_on,
+                "measured_peak": peaks,
+                "predicted_peak": list(prediction.peak_activation),
+            }
+        )
         if rank == 0:
-            print(f"{model.name:<11}{name:<17}{len(units)} stages m={m}: measured "
-                  f"{results[-1]['measured_s'] * 1e3:7.2f} ms, predicted "
-                  f"{prediction.step_time * 1e3:7.2f} ms (profile alone "
-                  f"{raw.step_time * 1e3:7.2f} ms)", flush=True)
+            print(
+                f"{model.name:<11}{name:<17}{len(units)} stages m={m}: measured "
+                f"{results[-1]['measured_s'] * 1e3:7.2f} ms, predicted "
+                f"{prediction.step_time * 1e3:7.2f} ms (profile alone "
+                f"{raw.step_time * 1e3:7.2f} ms)",
+                flush=True,
+            )
     return results, fitted
 
 
@@ -222,8 +262,9 @@ def _peak_memory(pipe: Pipeline, inputs: Any, targets: Any) -> list[int]:
     return peaks
 
 
-def step_times(pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int,
-               steps: int) -> list[list[float]]:
+def step_times(
+    pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int, steps: int
+) -> list[list[float]]:
     """Each pipeline's step times, from the first rank's start to the last rank's end, the
     pipelines taking turns round by round after a warm-up round. Collective."""
     times: list[list[float]] = [[] for _ in pipes]
@@ -240,8 +281,9 @@ def step_times(pipes: list[Pipeline], inputs: Any, targets: Any, rounds: int,
     return times
 
 
-def _fitted(model: Model, profile: Profile, configs: list[Any],
-            num_steps: int) -> tuple[Profile, list[tuple[str, int, int]]]:
+def _fitted(
+    model: Model, profile: Profile, configs: list[Any], num_steps: int
+) -> tuple[Profile, list[tuple[str, int, int]]]:
     """The profile fitted to the traced timed steps of FIT_SCHEDULE at each micro-batch count
     (the first also fits the runtime's call costs), as ``conveyor.calibrate.fit_to_run`` does
     for the planner; steps from the same interleaved rounds as every other configuration, so
@@ -250,55 +292,88 @@ def _fitted(model: Model, profile: Profile, configs: list[Any],
     fitted, used = profile, []
     for index, count in enumerate(MICROBATCHES):
         name, units, placement, m, pipe = next(
-            c for c in configs if c[0] == FIT_SCHEDULE and c[3] == count)
+            c for c in configs if c[0] == FIT_SCHEDULE and c[3] == count
+        )
         kept = [pipe.timeline(step) for step in range(-num_steps, 0)]
         graph, stage_units = layout(fitted, units, placement)
-        predicted = predict(build_program(name, graph, m), graph,
-                            ProfileCost(fitted, graph, stage_units, model.batch_size / m, m))
-        fitted = fit(fitted, kept, predicted.timeline,
-                     None if index == 0 else model.batch_size // m)
+        predicted = predict(
+            build_program(name, graph, m),
+            graph,
+            ProfileCost(fitted, graph, stage_units, model.batch_size / m, m),
+        )
+        fitted = fit(
+            fitted, kept, predicted.timeline, None if index == 0 else model.batch_size // m
+        )
         used.append((name, len(units), m))
     return fitted, used
 
 
-def _trace_overhead(steps: int, profile: Profile, rank: int,
-                    picture: Path) -> dict[str, float]:
+def _trace_overhead(steps: int, profile: Profile, rank: int, picture: Path) -> dict[str, float]:
     """Median step time of the GPT untraced, traced, and traced with memory accounting, steps
     alternating; rank 0 also draws the last traced step above its prediction
     (``picture``)."""
     model = MODELS[0]
     workload = model.workload()
     inputs, targets = workload.batch(model.batch_size)
-    variants = {"off_s": {}, "on_s": {"trace": True},
-                "memory_s": {"trace": True, "measure_memory": True}}
+    variants = {
+        "off_s": {},
+        "on_s": {"trace": True},
+        "memory_s": {"trace": True, "measure_memory": True},
+    }
     pipes = []
     for options in variants.values():
         torch.manual_seed(0)
-        pipes.append(Pipeline(model.workload().model, loss_fn=workload.loss_fn,
-                              schedule="1f1b", num_microbatches=8, **options))
+        pipes.append(
+            Pipeline(
+                model.workload().model,
+                loss_fn=workload.loss_fn,
+                schedule="1f1b",
+                num_microbatches=8,
+                **options,
+            )
+        )
     times = step_times(pipes, inputs, targets, max(steps // 2, 4), 2)  # >= 8 traced steps
     kept = [pipes[1].timeline(step) for step in range(-8, 0)]
     measured = sorted(kept, key=lambda t: t.step_time)[len(kept) // 2]  # a typical step
     graph, units = layout(profile, _chain_layouts("1f1b", profile.num_units)[0][0], [0, 1])
-    predicted = predict(build_program("1f1b", graph, 8), graph,
-                        ProfileCost(profile, graph, units, model.batch_size / 8, 8)).timeline
+    predicted = predict(
+        build_program("1f1b", graph, 8),
+        graph,
+        ProfileCost(profile, graph, units, model.batch_size / 8, 8),
+    ).timeline
     predicted.meta.update(measured.meta)
     if rank == 0:
-        write_png(picture, measured, predicted,
-                  title="GPT, 1F1B, 8 micro-batches on 2 ranks: measured (top), predicted")
-    found: dict[str, float] = {name: statistics.median(t) for name, t in zip(variants, times,
-                                                                            strict=True)}
+        write_png(
+            picture,
+            measured,
+            predicted,
+            title="GPT, 1F1B, 8 micro-batches on 2 ranks: measured (top), predicted",
+        )
+    found: dict[str, float] = {
+        name: statistics.median(t) for name, t in zip(variants, times, strict=True)
+    }
     return found | {"steps": len(times[0])}
 
 
-def _pipeline(model: Model, workload: Workload, schedule: str, units: list[list[int]],
-              placement: list[int], m: int, trace: bool = False,
-              measure_memory: bool = False) -> Pipeline:
+def _pipeline(
+    model: Model,
+    workload: Workload,
+    schedule: str,
+    units: list[list[int]],
+    placement: list[int],
+    m: int,
+    trace: bool = False,
+    measure_memory: bool = False,
+) -> Pipeline:
     torch.manual_seed(0)
     fresh = model.workload().model
-    options: dict[str, Any] = {"schedule": schedule, "num_microbatches": m,
-                               "placement": tuple(placement), "trace": trace,
-                               "measure_memory": measure_memory}
+    options: dict[str, Any] = {
+        "schedule": schedule,
+        "num_microbatches": m,
+        "placement": tuple(placement),
+        "trace": trace,
+        "measure_memory": measure_memory,
+    }
     if isinstance(fresh, torch.nn.Sequential):
         options["balance"] = tuple(len(u) for u in units)
     else:
@@ -316,18 +391,27 @@ def _error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
-def _markdown(results: list[dict[str, Any]], tracing: dict[str, float], command: str,
-              seconds: float, load: tuple[float, float]) -> str:
-    rows = ["| model | schedule | stages | micro-batches | measured ms | predicted ms | error "
-            "| profile alone ms | error | measured peak act. KiB (rank 0 / 1) | predicted KiB | "
-            "error (max) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _markdown(
+    results: list[dict[str, Any]],
+    tracing: dict[str, float],
+    command: str,
+    seconds: float,
+    load: tuple[float, float],
+) -> str:
+    rows = [
+        "| model | schedule | stages | micro-batches | measured ms | predicted ms | error "
+        "| profile alone ms | error | measured peak act. KiB (rank 0 / 1) | predicted KiB | "
+        "error (max) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     time_errors, memory_errors, raw_errors = [], [], []
     for r in results:
         error = _error(r["predicted_s"], r["measured_s"])
         raw = _error(r["unfitted_s"], r["measured_s"])
         raw_errors.append(abs(raw))
-        memory = [_error(p, m) for p, m in zip(r["predicted_peak"], r["measured_peak"],
-                                                strict=True) if m]
+        memory = [
+            _error(p, m) for p, m in zip(r["predicted_peak"], r["measured_peak"], strict=True) if m
+        ]
         worst = max(memory, key=abs) if memory else 0.0
         time_errors.append(abs(error))
         memory_errors += [abs(e) for e in memory]
@@ -337,41 +421,45 @@ def _markdown(results: list[dict[str, Any]], tracing: dict[str, float], command:
             f"{r['microbatches']} | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} "
             f"| {error:+.1%} | {r['unfitted_s'] * 1e3:.2f} | {raw:+.1%} | "
             f"{' / '.join(f'{b / 1024:.0f}' for b in r['measured_peak'])} | "
-            f"{' / '.join(f'{b / 1024:.0f}' for b in r['predicted_peak'])} | {worst:+.1%} |")
+            f"{' / '.join(f'{b / 1024:.0f}' for b in r['predicted_peak'])} | {worst:+.1%} |"
+        )
     within = sum(e <= 0.10 for e in time_errors)
-    return "\n".join([
-        "## Simulator accuracy (predicted vs measured)",
-        "",
-        f"Command: `{command}` ({seconds / 60:.1f} min). Machine: 2 CPU cores, 2 ranks on gloo, "
-        f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
-        "(other work may have been running). Each model is profiled on both ranks at once and "
-        "the two profiles averaged; runtime overheads and the link are measured on the same "
-        "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to the traced "
-        "steps of 1F1B at each micro-batch count (marked; `conveyor plan` fits to 1F1B too), "
-        "taken from the same interleaved rounds as every measurement, and predicts every "
-        "other configuration; the unfitted profile's predictions are shown too. Each "
-        "configuration runs interleaved with the others, every step after a barrier, timed "
-        "from the first rank's start to the last rank's end (median of all rounds), with "
-        "activation accounting off, as pipelines run by default; peak activation memory is "
-        "the runtime meter's, in untimed steps of a metered pipeline of each configuration.",
-        "",
-        f"**Step time: mean absolute percentage error {statistics.mean(time_errors):.1%}, "
-        f"{within} of {len(time_errors)} configurations within 10% (worst "
-        f"{max(time_errors):.1%}); with the profile alone, unfitted, MAPE "
-        f"{statistics.mean(raw_errors):.1%}. Peak activation memory: MAPE "
-        f"{statistics.mean(memory_errors):.2%} over every rank (worst "
-        f"{max(memory_errors):.2%}).**",
-        "",
-        *rows,
-        "",
-        f"Tracing cost: the GPT above (1F1B, 8 micro-batches) with `trace=True` took "
-        f"{tracing['on_s'] * 1e3:.2f} ms per step against {tracing['off_s'] * 1e3:.2f} ms "
-        f"without, {tracing['on_s'] / tracing['off_s'] - 1:+.1%} (medians of "
-        f"{tracing['steps']:.0f} steps each, in alternating pairs); with memory accounting "
-        f"(`measure_memory=True`) too, {tracing['memory_s'] * 1e3:.2f} ms, "
-        f"{tracing['memory_s'] / tracing['off_s'] - 1:+.1%}. With tracing off the runtime only "
-        "checks that no recorder is set.",
-    ])
+    return "\n".join(
+        [
+            "## Simulator accuracy (predicted vs measured)",
+            "",
+            f"Command: `{command}` ({seconds / 60:.1f} min). Machine: 2 CPU cores, 2 ranks on "
+            "gloo, "
+            f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
+            "(other work may have been running). Each model is profiled on both ranks at once and "
+            "the two profiles averaged; runtime overheads and the link are measured on the same "
+            "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to the traced "
+            "steps of 1F1B at each micro-batch count (marked; `conveyor plan` fits to 1F1B too), "
+            "taken from the same interleaved rounds as every measurement, and predicts every "
+            "other configuration; the unfitted profile's predictions are shown too. Each "
+            "configuration runs interleaved with the others, every step after a barrier, timed "
+            "from the first rank's start to the last rank's end (median of all rounds), with "
+            "activation accounting off, as pipelines run by default; peak activation memory is "
+            "the runtime meter's, in untimed steps of a metered pipeline of each configuration.",
+            "",
+            f"**Step time: mean absolute percentage error {statistics.mean(time_errors):.1%}, "
+            f"{within} of {len(time_errors)} configurations within 10% (worst "
+            f"{max(time_errors):.1%}); with the profile alone, unfitted, MAPE "
+            f"{statistics.mean(raw_errors):.1%}. Peak activation memory: MAPE "
+            f"{statistics.mean(memory_errors):.2%} over every rank (worst "
+            f"{max(memory_errors):.2%}).**",
+            "",
+            *rows,
+            "",
+            f"Tracing cost: the GPT above (1F1B, 8 micro-batches) with `trace=True` took "
+            f"{tracing['on_s'] * 1e3:.2f} ms per step against {tracing['off_s'] * 1e3:.2f} ms "
+            f"without, {tracing['on_s'] / tracing['off_s'] - 1:+.1%} (medians of "
+            f"{tracing['steps']:.0f} steps each, in alternating pairs); with memory accounting "
+            f"(`measure_memory=True`) too, {tracing['memory_s'] * 1e3:.2f} ms, "
+            f"{tracing['memory_s'] / tracing['off_s'] - 1:+.1%}. With tracing off the runtime only "
+            "checks that no recorder is set.",
+        ]
+    )
 
 
 def main() -> None:
@@ -382,11 +470,18 @@ def main() -> None:
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()[0]
     data, picture = spawn_two_ranks(_worker, args.rounds, args.steps)
-    command = "python benchmarks/bench_accuracy.py" + (
-        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (
-        f" --steps {args.steps}" if args.steps != 4 else "")
-    markdown = _markdown(data["results"], data["tracing"], command,
-                         time.perf_counter() - started, (load, os.getloadavg()[0]))
+    command = (
+        "python benchmarks/bench_accuracy.py"
+        + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        + (f" --steps {args.steps}" if args.steps != 4 else "")
+    )
+    markdown = _markdown(
+        data["results"],
+        data["tracing"],
+        command,
+        time.perf_counter() - started,
+        (load, os.getloadavg()[0]),
+    )
     print(markdown)
     if not args.no_write:
         write_section("accuracy", markdown)

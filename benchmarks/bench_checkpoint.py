@@ -35,12 +35,18 @@ from conveyor.checkpoint import Checkpointer
 from conveyor.models import gpt, gpt_loss, text_batches
 
 
-def _worker(rank: int, world_size: int, store: str, directory: str, args: argparse.Namespace,
-            out: str) -> None:
+def _worker(
+    rank: int, world_size: int, store: str, directory: str, args: argparse.Namespace, out: str
+) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=600),
+    )
     torch.manual_seed(0)
     model = gpt(seq_len=args.seq_len, dim=args.dim, num_layers=args.layers, dropout=0.0)
     pipe = conveyor.Pipeline(model, loss_fn=gpt_loss, num_microbatches=2)
@@ -57,9 +63,17 @@ def _worker(rank: int, world_size: int, store: str, directory: str, args: argpar
             times.append(time.perf_counter() - start)
         return times
 
-    modes = {name: Checkpointer(pipe, optimizer, directory=f"{directory}/{name}", keep=1,
-                                async_save=name == "async", timeout_s=600)
-             for name in ("async", "sync")}
+    modes = {
+        name: Checkpointer(
+            pipe,
+            optimizer,
+            directory=f"{directory}/{name}",
+            keep=1,
+            async_save=name == "async",
+            timeout_s=600,
+        )
+        for name in ("async", "sync")
+    }
     train(2)  # warm up; AdamW's moments exist from here on
     rows: dict[str, list[dict[str, float]]] = {"async": [], "sync": []}
     baseline = []
@@ -76,8 +90,14 @@ def _worker(rank: int, world_size: int, store: str, directory: str, args: argpar
             during = train(args.steps)  # overlaps the background write when asynchronous
             step += args.steps
             record = ckpt.wait() or ckpt.saves[-1]
-            rows[name].append({"blocked": blocked, "total": record.total_s or blocked,
-                               "bytes": record.num_bytes, "step": statistics.median(during)})
+            rows[name].append(
+                {
+                    "blocked": blocked,
+                    "total": record.total_s or blocked,
+                    "bytes": record.num_bytes,
+                    "step": statistics.median(during),
+                }
+            )
     for ckpt in modes.values():
         ckpt.close()
 
@@ -90,8 +110,16 @@ def _worker(rank: int, world_size: int, store: str, directory: str, args: argpar
         resumes.append(time.perf_counter() - start)
         fresh.close()
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, {"rows": rows, "baseline": baseline, "resumes": resumes,
-                                      "state_bytes": _state_bytes(pipe, optimizer)}, group=None)
+    dist.all_gather_object(
+        gathered,
+        {
+            "rows": rows,
+            "baseline": baseline,
+            "resumes": resumes,
+            "state_bytes": _state_bytes(pipe, optimizer),
+        },
+        group=None,
+    )
     if rank == 0:
         torch.save(gathered, out)
     dist.destroy_process_group()
@@ -99,64 +127,73 @@ def _worker(rank: int, world_size: int, store: str, directory: str, args: argpar
 
 def _state_bytes(pipe: conveyor.Pipeline, optimizer: torch.optim.Optimizer) -> int:
     tensors = list(pipe.state_dict().values())
-    tensors += [v for state in optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor)]
+    tensors += [
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     def worst(name: str, key: str) -> list[float]:  # per save, the slowest rank
-        return [max(r["rows"][name][i][key] for r in results)
-                for i in range(len(results[0]["rows"][name]))]
+        return [
+            max(r["rows"][name][i][key] for r in results)
+            for i in range(len(results[0]["rows"][name]))
+        ]
 
     median = statistics.median
     blocked = {name: median(worst(name, "blocked")) for name in ("async", "sync")}
     published = {name: median(worst(name, "total")) for name in ("async", "sync")}
     steps = {name: median(worst(name, "step")) for name in ("async", "sync")}
-    baseline = median(max(values) for values in zip(*(r["baseline"] for r in results),
-                                                     strict=True))
+    baseline = median(max(values) for values in zip(*(r["baseline"] for r in results), strict=True))
     size = results[0]["rows"]["async"][0]["bytes"] / 1e6
     state = sum(r["state_bytes"] for r in results) / 1e6
-    resume = median(max(values) for values in zip(*(r["resumes"] for r in results),
-                                                   strict=True))
-    lost = {name: blocked[name] + args.steps * (steps[name] - baseline)
-            for name in ("async", "sync")}
+    resume = median(max(values) for values in zip(*(r["resumes"] for r in results), strict=True))
+    lost = {
+        name: blocked[name] + args.steps * (steps[name] - baseline) for name in ("async", "sync")
+    }
     ratio = blocked["async"] / blocked["sync"]
     verdict = "met" if ratio <= 0.10 else "missed"
-    return "\n".join([
-        "## Checkpoints: training blocked per save, asynchronous vs synchronous; resume",
-        "",
-        f"GPT with {args.layers} blocks, d_model {args.dim}, sequence {args.seq_len}, batch "
-        f"{args.batch_size}, 2 micro-batches, split over 2 ranks (gloo, 1 thread per rank), "
-        f"AdamW. Training state: {state:.0f} MB (parameters and both AdamW moments); a "
-        f"checkpoint is {size:.0f} MB on disk. {args.repeats} saves of each kind, alternating "
-        f"in one run, each followed by {args.steps} training steps; medians. Blocked: the "
-        "longest time a rank spent in `Checkpointer.save` (the snapshot into reused CPU "
-        "buffers when asynchronous; snapshot-free writing, hashing, manifest and rename when "
-        "synchronous). Published: from the call until the checkpoint is renamed into place. "
-        "Every save writes with fsync and hashes every file (SHA-256) for the manifest; "
-        "resume verifies every file's SHA-256 (the hashing split over the ranks) and loads.",
-        "",
-        f"Command: `python benchmarks/bench_checkpoint.py` on {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, torch {torch.__version__}; other work may have been "
-        "running on the machine.",
-        "",
-        "| save | training blocked (s) | published after (s) | step time after the save "
-        f"(s; {baseline:.3f} with none in flight) | training time lost per save (s) |",
-        "|---|---|---|---|---|",
-        *(f"| {label} | {blocked[name]:.3f} | {published[name]:.2f} | {steps[name]:.3f} | "
-          f"{lost[name]:.2f} |" for name, label in (("sync", "synchronous"),
-                                                    ("async", "asynchronous"))),
-        "",
-        f"Asynchronous saves block training for **{ratio:.1%}** of the synchronous save time "
-        f"(target: at most 10%, {verdict}). Time lost per save = blocked + {args.steps} x "
-        "(step time after the save - step time with no save in flight): on this machine the "
-        "background write (serialization, fsync, SHA-256) runs on the same two cores as "
-        "training and slows the steps it overlaps, so the total cost shrinks less than the "
-        "blocked time; where training runs on accelerators the write only competes with the "
-        "host's spare cores. Resume (find the newest checkpoint, verify every file, load "
-        f"model, optimizer, progress and random state): **{resume:.2f} s**.",
-    ])
+    return "\n".join(
+        [
+            "## Checkpoints: training blocked per save, asynchronous vs synchronous; resume",
+            "",
+            f"GPT with {args.layers} blocks, d_model {args.dim}, sequence {args.seq_len}, batch "
+            f"{args.batch_size}, 2 micro-batches, split over 2 ranks (gloo, 1 thread per rank), "
+            f"AdamW. Training state: {state:.0f} MB (parameters and both AdamW moments); a "
+            f"checkpoint is {size:.0f} MB on disk. {args.repeats} saves of each kind, alternating "
+            f"in one run, each followed by {args.steps} training steps; medians. Blocked: the "
+            "longest time a rank spent in `Checkpointer.save` (the snapshot into reused CPU "
+            "buffers when asynchronous; snapshot-free writing, hashing, manifest and rename when "
+            "synchronous). Published: from the call until the checkpoint is renamed into place. "
+            "Every save writes with fsync and hashes every file (SHA-256) for the manifest; "
+            "resume verifies every file's SHA-256 (the hashing split over the ranks) and loads.",
+            "",
+            f"Command: `python benchmarks/bench_checkpoint.py` on {platform.machine()}, "
+            f"{os.cpu_count()} CPU cores, torch {torch.__version__}; other work may have been "
+            "running on the machine.",
+            "",
+            "| save | training blocked (s) | published after (s) | step time after the save "
+            f"(s; {baseline:.3f} with none in flight) | training time lost per save (s) |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {label} | {blocked[name]:.3f} | {published[name]:.2f} | {steps[name]:.3f} | "
+                f"{lost[name]:.2f} |"
+                for name, label in (("sync", "synchronous"), ("async", "asynchronous"))
+            ),
+            "",
+            f"Asynchronous saves block training for **{ratio:.1%}** of the synchronous save time "
+            f"(target: at most 10%, {verdict}). Time lost per save = blocked + {args.steps} x "
+            "(step time after the save - step time with no save in flight): on this machine the "
+            "background write (serialization, fsync, SHA-256) runs on the same two cores as "
+            "training and slows the steps it overlaps, so the total cost shrinks less than the "
+            "blocked time; where training runs on accelerators the write only competes with the "
+            "host's spare cores. Resume (find the newest checkpoint, verify every file, load "
+            f"model, optimizer, progress and random state): **{resume:.2f} s**.",
+        ]
+    )
 
 
 def main() -> None:
@@ -171,13 +208,20 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         out = Path(directory) / "results.pt"
-        mp.spawn(_worker, args=(2, f"{directory}/store", f"{directory}/ckpt", args, str(out)),
-                 nprocs=2, join=True)
+        mp.spawn(
+            _worker,
+            args=(2, f"{directory}/store", f"{directory}/ckpt", args, str(out)),
+            nprocs=2,
+            join=True,
+        )
         results = torch.load(out)
     state = sum(r["state_bytes"] for r in results)
     if state < 200e6:
-        print(f"warning: the training state is {state / 1e6:.0f} MB, below the 200 MB the "
-              "benchmark is meant for", file=sys.stderr)
+        print(
+            f"warning: the training state is {state / 1e6:.0f} MB, below the 200 MB the "
+            "benchmark is meant for",
+            file=sys.stderr,
+        )
     markdown = _report(results, args)
     write_section("checkpoint", markdown)
     print(markdown)

@@ -47,32 +47,64 @@ def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
             for name in SCHEDULES:
                 for units, placement in model.layouts(name, num_units):
                     for m in MICROBATCHES:
-                        rows.append(_compare(model, workload, name, units, placement, m, inputs,
-                                             targets, rounds, steps))
+                        rows.append(
+                            _compare(
+                                model,
+                                workload,
+                                name,
+                                units,
+                                placement,
+                                m,
+                                inputs,
+                                targets,
+                                rounds,
+                                steps,
+                            )
+                        )
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
 
 
-def _compare(model: Any, workload: Any, name: str, units: list[list[int]],
-             placement: list[int], m: int, inputs: Any, targets: Any, rounds: int,
-             steps: int) -> dict[str, Any]:
+def _compare(
+    model: Any,
+    workload: Any,
+    name: str,
+    units: list[list[int]],
+    placement: list[int],
+    m: int,
+    inputs: Any,
+    targets: Any,
+    rounds: int,
+    steps: int,
+) -> dict[str, Any]:
     """Median step times and stalled calls per step of one configuration, both transports."""
     split = _pipeline(model, workload, name, units, placement, m, trace=True)
     with mock.patch("conveyor.comm._directions", lambda group, timeout: (None, None)):
         shared = _pipeline(model, workload, name, units, placement, m, trace=True)
     times = step_times([split, shared], inputs, targets, rounds, steps)
     stalls = [_stalled(pipe, rounds * steps) for pipe in (split, shared)]
-    return {"model": model.name, "schedule": name, "stages": len(units), "microbatches": m,
-            "split_s": statistics.median(times[0]), "shared_s": statistics.median(times[1]),
-            "split_stalls": stalls[0], "shared_stalls": stalls[1]}
+    return {
+        "model": model.name,
+        "schedule": name,
+        "stages": len(units),
+        "microbatches": m,
+        "split_s": statistics.median(times[0]),
+        "shared_s": statistics.median(times[1]),
+        "split_stalls": stalls[0],
+        "shared_stalls": stalls[1],
+    }
 
 
 def _stalled(pipe: Any, num_steps: int) -> float:
     """Sends and receive postings that took over 1 ms, per step, both ranks."""
-    count = sum(1 for step in range(-num_steps, 0) for e in pipe.timeline(step).events
-                if e.kind in ("send", "recv") and e.duration > 1e-3)
+    count = sum(
+        1
+        for step in range(-num_steps, 0)
+        for e in pipe.timeline(step).events
+        if e.kind in ("send", "recv") and e.duration > 1e-3
+    )
     return count / num_steps
 
 
@@ -99,9 +131,11 @@ def _markdown(rows: list[dict[str, Any]], command: str, seconds: float) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r, ratio in zip(rows, ratios, strict=True):
-        lines.append(f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['microbatches']} "
-                     f"| {r['split_s'] * 1e3:.1f} | {r['shared_s'] * 1e3:.1f} | {ratio:.3f} | "
-                     f"{r['split_stalls']:.2f} / {r['shared_stalls']:.2f} |")
+        lines.append(
+            f"| {r['model']} | {r['schedule']} | {r['stages']} | {r['microbatches']} "
+            f"| {r['split_s'] * 1e3:.1f} | {r['shared_s'] * 1e3:.1f} | {ratio:.3f} | "
+            f"{r['split_stalls']:.2f} / {r['shared_stalls']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -113,9 +147,11 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     rows, _ = spawn_two_ranks(_worker, args.rounds, args.steps)
-    command = "python benchmarks/bench_directions.py" + (
-        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (
-        f" --steps {args.steps}" if args.steps != 4 else "")
+    command = (
+        "python benchmarks/bench_directions.py"
+        + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        + (f" --steps {args.steps}" if args.steps != 4 else "")
+    )
     markdown = _markdown(rows, command, time.perf_counter() - started)
     print(markdown)
     if not args.no_write:

@@ -69,8 +69,12 @@ def _peaks(pipe: conveyor.Pipeline) -> list[int]:
     return [int(p) for p in peaks]
 
 
-def _measure(pipes: dict[Any, conveyor.Pipeline], batches: dict[Any, tuple[Any, Any]],
-             repeats: int, warmup: int) -> dict[Any, dict[str, Any]]:
+def _measure(
+    pipes: dict[Any, conveyor.Pipeline],
+    batches: dict[Any, tuple[Any, Any]],
+    repeats: int,
+    warmup: int,
+) -> dict[Any, dict[str, Any]]:
     """Interleaved repetitions of one step of every pipeline (the order reversed every other
     round, so neither side always runs first): all step times, and peak memory per rank."""
     for key, pipe in pipes.items():
@@ -82,29 +86,49 @@ def _measure(pipes: dict[Any, conveyor.Pipeline], batches: dict[Any, tuple[Any, 
     for round_index in range(repeats):
         for key in keys if round_index % 2 == 0 else keys[::-1]:
             times[key].append(_step_time(pipes[key], *batches[key]))
-    return {key: {"times": times[key], "time": statistics.median(times[key]),
-                  "peaks": _peaks(pipes[key])} for key in pipes}
+    return {
+        key: {
+            "times": times[key],
+            "time": statistics.median(times[key]),
+            "peaks": _peaks(pipes[key]),
+        }
+        for key in pipes
+    }
 
 
 def towers_worker(rank: int, args: argparse.Namespace) -> None:
     """Part 1 on 3 ranks."""
     torch.manual_seed(0)
-    model = two_tower(vocab_size=256, seq_len=args.text_len, num_patches=args.patches,
-                      patch_dim=args.patch_dim, dim=args.dim, text_layers=4, image_layers=2,
-                      num_heads=4)
+    model = two_tower(
+        vocab_size=256,
+        seq_len=args.text_len,
+        num_patches=args.patches,
+        patch_dim=args.patch_dim,
+        dim=args.dim,
+        text_layers=4,
+        image_layers=2,
+        num_heads=4,
+    )
     pipes: dict[Any, conveyor.Pipeline] = {}
     batches: dict[Any, tuple[Any, Any]] = {}
     for m in args.microbatches:
-        (inputs, labels), = multimodal_batches(m * args.microbatch_size, 1, vocab_size=256,
-                                               seq_len=args.text_len,
-                                               num_patches=args.patches,
-                                               patch_dim=args.patch_dim)
+        ((inputs, labels),) = multimodal_batches(
+            m * args.microbatch_size,
+            1,
+            vocab_size=256,
+            seq_len=args.text_len,
+            num_patches=args.patches,
+            patch_dim=args.patch_dim,
+        )
         for kind in ("graph", "chain"):
             graph = split_by_modules(copy.deepcopy(model), STAGES, relay_skips=kind == "chain")
-            pipes[(m, kind)] = conveyor.Pipeline(graph, num_microbatches=m,
-                                                 schedule=args.schedule,
-                                                 loss_fn=classification_loss,
-                                                 measure_memory=True)
+            pipes[(m, kind)] = conveyor.Pipeline(
+                graph,
+                num_microbatches=m,
+                schedule=args.schedule,
+                loss_fn=classification_loss,
+                measure_memory=True,
+            )
             batches[(m, kind)] = (inputs, labels)
     results = _measure(pipes, batches, args.repeats, args.warmup)
     if rank == 0:
@@ -117,14 +141,18 @@ def unet_worker(rank: int, args: argparse.Namespace) -> None:
     model = unet(width=args.unet_width, depth=3)
     points = balance_to_split_points(model, [2, 2, 2, 2])
     m = args.unet_microbatches
-    (images, masks), = segmentation_batches(m * args.unet_microbatch_size, args.unet_size, 1)
-    pipes = {kind: conveyor.Pipeline(split_model(copy.deepcopy(model), points,
-                                                 relay_skips=kind == "relayed"),
-                                     num_microbatches=m, schedule=args.schedule,
-                                     loss_fn=segmentation_loss, measure_memory=True)
-             for kind in ("direct", "relayed")}
-    results = _measure(pipes, dict.fromkeys(pipes, (images, masks)), args.unet_repeats,
-                       args.warmup)
+    ((images, masks),) = segmentation_batches(m * args.unet_microbatch_size, args.unet_size, 1)
+    pipes = {
+        kind: conveyor.Pipeline(
+            split_model(copy.deepcopy(model), points, relay_skips=kind == "relayed"),
+            num_microbatches=m,
+            schedule=args.schedule,
+            loss_fn=segmentation_loss,
+            measure_memory=True,
+        )
+        for kind in ("direct", "relayed")
+    }
+    results = _measure(pipes, dict.fromkeys(pipes, (images, masks)), args.unet_repeats, args.warmup)
     if rank == 0:
         _report_unet(results, args)
 
@@ -134,30 +162,40 @@ def _report_towers(results: dict[Any, dict[str, Any]], args: argparse.Namespace)
     for m in args.microbatches:
         graph, chain = results[(m, "graph")], results[(m, "chain")]
         # steps measured next to each other share the machine's state: compare them in pairs
-        measured = statistics.median(c / g for g, c in zip(graph["times"], chain["times"],
-                                                            strict=True))
+        measured = statistics.median(
+            c / g for g, c in zip(graph["times"], chain["times"], strict=True)
+        )
         predicted = (m + 3 - 1) / (m + 2 - 1)
-        mib = " / ".join(f"{g / 2**20:.2f} vs {c / 2**20:.2f}"
-                         for g, c in zip(graph["peaks"], chain["peaks"], strict=True))
-        rows.append(f"| {m} | {graph['time'] * 1e3:.0f} | {chain['time'] * 1e3:.0f} | "
-                    f"{measured:.3f} | {predicted:.3f} | {measured / predicted:.1%} | "
-                    f"{(measured - 1) / (predicted - 1):.0%} | {mib} |")
+        mib = " / ".join(
+            f"{g / 2**20:.2f} vs {c / 2**20:.2f}"
+            for g, c in zip(graph["peaks"], chain["peaks"], strict=True)
+        )
+        rows.append(
+            f"| {m} | {graph['time'] * 1e3:.0f} | {chain['time'] * 1e3:.0f} | "
+            f"{measured:.3f} | {predicted:.3f} | {measured / predicted:.1%} | "
+            f"{(measured - 1) / (predicted - 1):.0%} | {mib} |"
+        )
     Path(args.out, "towers.md").write_text("\n".join(rows))
 
 
 def _report_unet(results: dict[Any, dict[str, Any]], args: argparse.Namespace) -> None:
     direct, relayed = results["direct"], results["relayed"]
-    cells = " | ".join(f"{d / 2**20:.2f} vs {r / 2**20:.2f} ({1 - d / r:.0%} less)"
-                       for d, r in zip(direct["peaks"], relayed["peaks"], strict=True))
-    row = (f"| {direct['time'] * 1e3:.0f} | {relayed['time'] * 1e3:.0f} | {cells} |")
+    cells = " | ".join(
+        f"{d / 2**20:.2f} vs {r / 2**20:.2f} ({1 - d / r:.0%} less)"
+        for d, r in zip(direct["peaks"], relayed["peaks"], strict=True)
+    )
+    row = f"| {direct['time'] * 1e3:.0f} | {relayed['time'] * 1e3:.0f} | {cells} |"
     Path(args.out, "unet.md").write_text(row)
 
 
-def _launch(fn: Callable[[int, argparse.Namespace], None], world_size: int,
-            args: argparse.Namespace, timeout_s: float = 1800.0) -> None:
+def _launch(
+    fn: Callable[[int, argparse.Namespace], None],
+    world_size: int,
+    args: argparse.Namespace,
+    timeout_s: float = 1800.0,
+) -> None:
     store = Path(tempfile.mkdtemp(prefix="bench-graph-")) / "store"
-    ctx = mp.spawn(_entry, args=(fn, world_size, str(store), args), nprocs=world_size,
-                   join=False)
+    ctx = mp.spawn(_entry, args=(fn, world_size, str(store), args), nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -169,12 +207,22 @@ def _launch(fn: Callable[[int, argparse.Namespace], None], world_size: int,
                 process.kill()
 
 
-def _entry(rank: int, fn: Callable[[int, argparse.Namespace], None], world_size: int,
-           store: str, args: argparse.Namespace) -> None:
+def _entry(
+    rank: int,
+    fn: Callable[[int, argparse.Namespace], None],
+    world_size: int,
+    store: str,
+    args: argparse.Namespace,
+) -> None:
     torch.set_num_threads(1)  # several ranks on 2 cores
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=300),
+    )
     try:
         fn(rank, args)
     finally:
@@ -219,8 +267,10 @@ def _table(header: list[str], rows: str) -> str:
 
 def _markdown(args: argparse.Namespace, towers: str, unet_row: str) -> str:
     command = " ".join(["python benchmarks/bench_graph.py", *sys.argv[1:]])
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-               "gloo, 1 thread per rank")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        "gloo, 1 thread per rank"
+    )
     text = f"""## Graph pipeline vs chain pipeline (GraphPipe)
 
 Two-tower model: text tower 4 blocks over {args.text_len} tokens, image tower 2 blocks over
@@ -238,9 +288,19 @@ tensors saved for backward), graph vs chain, ranks 0 / 1 / 2.
 Command: `{command}` on {machine}. Other work may have been running on the machine.
 
 """
-    text += _table(["m", "graph step (ms)", "chain step (ms)", "measured gain",
-                    "predicted gain", "measured / predicted", "same, for gain - 1",
-                    "peak activations per rank, graph vs chain (MiB)"], towers)
+    text += _table(
+        [
+            "m",
+            "graph step (ms)",
+            "chain step (ms)",
+            "measured gain",
+            "predicted gain",
+            "measured / predicted",
+            "same, for gain - 1",
+            "peak activations per rank, graph vs chain (MiB)",
+        ],
+        towers,
+    )
     if unet_row:
         text += f"""
 
@@ -251,9 +311,17 @@ schedule {args.schedule}, median of {args.unet_repeats} steps. Ranks 1 and 2 are
 intermediate ones.
 
 """
-        text += _table(["direct step (ms)", "relayed step (ms)",
-                        "rank 0 peak, direct vs relayed (MiB)", "rank 1", "rank 2", "rank 3"],
-                       unet_row)
+        text += _table(
+            [
+                "direct step (ms)",
+                "relayed step (ms)",
+                "rank 0 peak, direct vs relayed (MiB)",
+                "rank 1",
+                "rank 2",
+                "rank 3",
+            ],
+            unet_row,
+        )
     return text + "\n"
 
 

@@ -40,8 +40,7 @@ PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 def model(args: argparse.Namespace) -> nn.Sequential:
     torch.manual_seed(0)
-    return gpt(seq_len=args.seq_len, dim=args.dim, num_layers=args.layers, num_heads=8,
-               dropout=0.0)
+    return gpt(seq_len=args.seq_len, dim=args.dim, num_layers=args.layers, num_heads=8, dropout=0.0)
 
 
 def timed(step: Callable[[], None], steps: int) -> list[float]:
@@ -59,13 +58,22 @@ def timed(step: Callable[[], None], steps: int) -> list[float]:
 
 def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
     x, y = text_batches(args.batch, args.seq_len, 1)[0]
     half = (args.layers + 2) // 2
-    ours = conveyor.Pipeline(model(args), balance=[half, args.layers + 2 - half],
-                             num_microbatches=args.microbatches, schedule=args.schedule,
-                             loss_fn=gpt_loss)
+    ours = conveyor.Pipeline(
+        model(args),
+        balance=[half, args.layers + 2 - half],
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        loss_fn=gpt_loss,
+    )
     layers = list(model(args).children())
     local = nn.Sequential(*(layers[:half] if rank == 0 else layers[half:]))
     stage = PipelineStage(local, rank, 2, torch.device("cpu"))
@@ -81,8 +89,13 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             peer.step(target=y, losses=[])
 
     plain = model(args)
-    chunks = list(zip(torch.tensor_split(x, args.microbatches),
-                      torch.tensor_split(y, args.microbatches), strict=True))
+    chunks = list(
+        zip(
+            torch.tensor_split(x, args.microbatches),
+            torch.tensor_split(y, args.microbatches),
+            strict=True,
+        )
+    )
 
     def plain_step(threads: int, microbatch: bool) -> Callable[[], None]:
         def step() -> None:
@@ -91,27 +104,38 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                 for xk, yk in chunks if microbatch else [(x, y)]:
                     gpt_loss(plain(xk), yk).backward()
                 torch.set_num_threads(1)
+
         return step
 
     runs: dict[str, Callable[[], None]] = {
-        "conveyor": conveyor_step, "torch.pipelining": peer_step,
-        "plain, 1 thread": plain_step(1, False), "plain, 2 threads": plain_step(2, False),
-        "plain, 1 thread, micro-batches": plain_step(1, True)}
+        "conveyor": conveyor_step,
+        "torch.pipelining": peer_step,
+        "plain, 1 thread": plain_step(1, False),
+        "plain, 2 threads": plain_step(2, False),
+        "plain, 1 thread, micro-batches": plain_step(1, True),
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, step in runs.items():
             times[name] += timed(step, args.steps)
     # memory, in untimed steps: saved tensors alive, by conveyor's meter (which uses
     # LiveSavedTensors) and by LiveSavedTensors wrapped around torch.pipelining
-    metered = conveyor.Pipeline(model(args), balance=[half, args.layers + 2 - half],
-                                num_microbatches=args.microbatches, schedule=args.schedule,
-                                loss_fn=gpt_loss, measure_memory=True)
+    metered = conveyor.Pipeline(
+        model(args),
+        balance=[half, args.layers + 2 - half],
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        loss_fn=gpt_loss,
+        measure_memory=True,
+    )
     metered.step(x, y)
     live = LiveSavedTensors(local.parameters())
     with live.watching():
         peer_step()
-    for name, peak in (("conveyor", metered.memory().peak_saved_bytes),
-                       ("torch.pipelining", live.peak_bytes)):
+    for name, peak in (
+        ("conveyor", metered.memory().peak_saved_bytes),
+        ("torch.pipelining", live.peak_bytes),
+    ):
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, peak)
         times[f"peak {name}"] = [float(v) for v in gathered]
@@ -143,12 +167,14 @@ def main() -> None:
     write_section("peer", render(args, rows))
 
 
-NOTE = ("Plain training with 2 threads beats both pipelines here: intra-op parallelism "
-        "over 2 cores has no bubble and no messages; pipelines pay off when the model does not "
-        "fit one device. conveyor's activation accounting (`measure_memory=True`) is off in the "
-        "timed runs; with it on, a 1F1B step measured 1.4-2.7% slower side by side, which is "
-        "why it is opt-in. All three run in the same processes, so all three run with the "
-        "host memory a conveyor Pipeline keeps for reuse (`keep_host_memory`, process-wide).")
+NOTE = (
+    "Plain training with 2 threads beats both pipelines here: intra-op parallelism "
+    "over 2 cores has no bubble and no messages; pipelines pay off when the model does not "
+    "fit one device. conveyor's activation accounting (`measure_memory=True`) is off in the "
+    "timed runs; with it on, a 1F1B step measured 1.4-2.7% slower side by side, which is "
+    "why it is opt-in. All three run in the same processes, so all three run with the "
+    "host memory a conveyor Pipeline keeps for reuse (`keep_host_memory`, process-wide)."
+)
 
 
 def render(args: argparse.Namespace, rows: list[tuple[str, dict[str, list[float]]]]) -> str:
@@ -185,7 +211,8 @@ def render(args: argparse.Namespace, rows: list[tuple[str, dict[str, list[float]
             f"{rate['conveyor'] / ideal:.0%} | {rate['plain, 1 thread']:.1f} | "
             f"{rate['plain, 2 threads']:.1f} | {rate['conveyor'] / rate['plain, 2 threads']:.2f} | "
             f"{ours[0] / 1e6:.1f} / {ours[1] / 1e6:.1f} | "
-            f"{theirs[0] / 1e6:.1f} / {theirs[1] / 1e6:.1f} |")
+            f"{theirs[0] / 1e6:.1f} / {theirs[1] / 1e6:.1f} |"
+        )
     lines += ["", NOTE]
     return "\n".join(lines)
 

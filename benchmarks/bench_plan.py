@@ -48,8 +48,9 @@ def _worker(rank: int, store: str, out: str, rounds: int, steps: int) -> None:
         dist.destroy_process_group()
 
 
-def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
-             link: Any) -> dict[str, Any]:
+def _compare(
+    model: Model, rank: int, rounds: int, steps: int, overheads: Any, link: Any
+) -> dict[str, Any]:
     workload = model.workload()
     sizes = sorted({model.batch_size // m for m in GRID})
     profile = profile_together(workload, sizes)
@@ -68,24 +69,35 @@ def _compare(model: Model, rank: int, rounds: int, steps: int, overheads: Any,
         try:
             torch.manual_seed(0)
             options = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-            pipes.append((label, fields, Pipeline(model.workload().model,
-                                                  loss_fn=workload.loss_fn, **options)))
+            pipes.append(
+                (
+                    label,
+                    fields,
+                    Pipeline(model.workload().model, loss_fn=workload.loss_fn, **options),
+                )
+            )
         except ValueError as error:  # a schedule that cannot run this model's even split
             if rank == 0:
                 print(f"skip {model.name} {label}: {str(error).splitlines()[0]}", flush=True)
     inputs, targets = workload.batch(model.batch_size)
     times = step_times([pipe for *_, pipe in pipes], inputs, targets, rounds, steps)
-    measured = {label: statistics.median(t) for (label, _, _), t in zip(pipes, times,
-                                                                          strict=True)}
+    measured = {label: statistics.median(t) for (label, _, _), t in zip(pipes, times, strict=True)}
     if rank == 0:
         print(model.name, json.dumps(measured), flush=True)
     best = report.best
-    return {"model": model.name, "plan": chosen, "predicted_s": best.step_time,
-            "plan_units": [len(u) for u in best.stage_units], "measured": measured,
-            "top": [(p.schedule, p.num_microbatches, [len(u) for u in p.stage_units],
-                     p.step_time) for p in report.plans[:4]],
-            "fields": {label: fields for label, fields, _ in pipes},
-            "planning_s": report.elapsed_s}
+    return {
+        "model": model.name,
+        "plan": chosen,
+        "predicted_s": best.step_time,
+        "plan_units": [len(u) for u in best.stage_units],
+        "measured": measured,
+        "top": [
+            (p.schedule, p.num_microbatches, [len(u) for u in p.stage_units], p.step_time)
+            for p in report.plans[:4]
+        ],
+        "fields": {label: fields for label, fields, _ in pipes},
+        "planning_s": report.elapsed_s,
+    }
 
 
 def _even(model: Model, module: nn.Module, schedule: str, m: int) -> dict[str, Any]:
@@ -94,8 +106,9 @@ def _even(model: Model, module: nn.Module, schedule: str, m: int) -> dict[str, A
     if not isinstance(module, nn.Sequential):  # cut before the middle layer
         targets = [u.target for u in trace_units(module)[2] if u.target]
         num_stages = 2 * layout_of(schedule).virtual_stages
-        fields["split_points"] = [targets[round(i * len(targets) / num_stages)]
-                                  for i in range(1, num_stages)]
+        fields["split_points"] = [
+            targets[round(i * len(targets) / num_stages)] for i in range(1, num_stages)
+        ]
     return fields
 
 
@@ -108,13 +121,24 @@ def _planning_speed() -> tuple[float, float, str]:
     report = plan(workload, 64, BUDGET, 256)
     total = time.perf_counter() - began
     best = report.best
-    return total, report.elapsed_s, (f"{best.schedule}, {best.num_microbatches} micro-batches,"
-                                     f" {len(report.plans)} plans simulated, {report.pruned} "
-                                     "pruned by their bound")
+    return (
+        total,
+        report.elapsed_s,
+        (
+            f"{best.schedule}, {best.num_microbatches} micro-batches,"
+            f" {len(report.plans)} plans simulated, {report.pruned} "
+            "pruned by their bound"
+        ),
+    )
 
 
-def _markdown(results: list[dict[str, Any]], speed: tuple[float, float, str], command: str,
-              minutes: float, load: tuple[float, float]) -> str:
+def _markdown(
+    results: list[dict[str, Any]],
+    speed: tuple[float, float, str],
+    command: str,
+    minutes: float,
+    load: tuple[float, float],
+) -> str:
     lines = [
         "## Plan quality (planner vs hand configurations, measured)",
         "",
@@ -144,26 +168,46 @@ def _markdown(results: list[dict[str, Any]], speed: tuple[float, float, str], co
             f"{split}, units {r['plan_units']}, checkpoint {ckpt} | "
             f"{r['predicted_s'] * 1e3:.1f} | {plan_ms * 1e3:.1f} | {best_label} | "
             f"{measured[best_label] * 1e3:.1f} | {plan_ms / measured[best_label] - 1:+.1%} | "
-            f"{same_ms} |")
-    lines += ["", "The planner's top plans, predicted ms (ties within the model's error are "
-              "decided by its small differences):", ""]
-    lines += [f"- {r['model']}: " + "; ".join(
-        f"{name} m={m} units {units}: {seconds * 1e3:.1f}" for name, m, units, seconds in r["top"])
-        for r in results]
-    lines += ["", "Every hand configuration, measured ms:", "",
-              "| model | " + " | ".join(f"m={m}" for m in GRID) + " |",
-              "|---|" + "---|" * len(GRID)]
+            f"{same_ms} |"
+        )
+    lines += [
+        "",
+        "The planner's top plans, predicted ms (ties within the model's error are "
+        "decided by its small differences):",
+        "",
+    ]
+    lines += [
+        f"- {r['model']}: "
+        + "; ".join(
+            f"{name} m={m} units {units}: {seconds * 1e3:.1f}"
+            for name, m, units, seconds in r["top"]
+        )
+        for r in results
+    ]
+    lines += [
+        "",
+        "Every hand configuration, measured ms:",
+        "",
+        "| model | " + " | ".join(f"m={m}" for m in GRID) + " |",
+        "|---|" + "---|" * len(GRID),
+    ]
     for r in results:
         for name in SCHEDULES:
             cells = [r["measured"].get(f"{name} m={m}") for m in GRID]
             if any(c is not None for c in cells):
-                lines.append(f"| {r['model']} {name} | " + " | ".join(
-                    "-" if c is None else f"{c * 1e3:.1f}" for c in cells) + " |")
+                lines.append(
+                    f"| {r['model']} {name} | "
+                    + " | ".join("-" if c is None else f"{c * 1e3:.1f}" for c in cells)
+                    + " |"
+                )
     total, search, what = speed
-    lines += ["", f"Planning a 48-layer model (residual MLP blocks of width 64, traced into "
-              f"240 layers: the model has fewer blocks than ranks) for 64 ranks, batch 256: "
-              f"{total:.1f} s in all, of which {search:.1f} s search after profiling "
-              f"({what}; search time budget 50 s)."]
+    lines += [
+        "",
+        f"Planning a 48-layer model (residual MLP blocks of width 64, traced into "
+        f"240 layers: the model has fewer blocks than ranks) for 64 ranks, batch 256: "
+        f"{total:.1f} s in all, of which {search:.1f} s search after profiling "
+        f"({what}; search time budget 50 s).",
+    ]
     return "\n".join(lines)
 
 
@@ -176,11 +220,14 @@ def main() -> None:
     started, load = time.perf_counter(), os.getloadavg()[0]
     results, _ = spawn_two_ranks(_worker, args.rounds, args.steps)
     speed = _planning_speed()
-    command = "python benchmarks/bench_plan.py" + (
-        f" --rounds {args.rounds}" if args.rounds != 5 else "") + (
-        f" --steps {args.steps}" if args.steps != 3 else "")
-    markdown = _markdown(results, speed, command, (time.perf_counter() - started) / 60,
-                         (load, os.getloadavg()[0]))
+    command = (
+        "python benchmarks/bench_plan.py"
+        + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        + (f" --steps {args.steps}" if args.steps != 3 else "")
+    )
+    markdown = _markdown(
+        results, speed, command, (time.perf_counter() - started) / 60, (load, os.getloadavg()[0])
+    )
     print(markdown)
     if not args.no_write:
         write_section("plan", markdown)

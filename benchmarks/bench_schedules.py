@@ -72,14 +72,15 @@ CASES = [
 
 def model(args: argparse.Namespace) -> nn.Sequential:
     torch.manual_seed(0)
-    return gpt(seq_len=args.seq_len, dim=args.dim, num_layers=args.layers, num_heads=8,
-               dropout=0.0)
+    return gpt(seq_len=args.seq_len, dim=args.dim, num_layers=args.layers, num_heads=8, dropout=0.0)
 
 
 def balance(num_layers: int, num_stages: int) -> list[int]:
     """Blocks spread evenly; the embedding joins the first stage, the head the last."""
-    blocks = [num_layers // num_stages + (1 if i < num_layers % num_stages else 0)
-              for i in range(num_stages)]
+    blocks = [
+        num_layers // num_stages + (1 if i < num_layers % num_stages else 0)
+        for i in range(num_stages)
+    ]
     blocks[0] += 1
     blocks[-1] += 1
     return blocks
@@ -109,13 +110,22 @@ class Runs:
         self.memory: dict[str, Callable[[], dict[str, float]]] = {}
 
 
-def add_conveyor(runs: Runs, case: Case, args: argparse.Namespace, rank: int,
-                 x: torch.Tensor, y: torch.Tensor) -> None:
+def add_conveyor(
+    runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
+) -> None:
     stages = layout_of(case.name).virtual_stages * RANKS
-    pipe, metered = (conveyor.Pipeline(model(args), balance=balance(args.layers, stages),
-                                       schedule=case.name, num_microbatches=args.microbatches,
-                                       loss_fn=gpt_loss, timeout_s=300, measure_memory=measured)
-                     for measured in (False, True))
+    pipe, metered = (
+        conveyor.Pipeline(
+            model(args),
+            balance=balance(args.layers, stages),
+            schedule=case.name,
+            num_microbatches=args.microbatches,
+            loss_fn=gpt_loss,
+            timeout_s=300,
+            measure_memory=measured,
+        )
+        for measured in (False, True)
+    )
     optimizerless = list(pipe.parameters())
 
     def step() -> None:
@@ -125,16 +135,20 @@ def add_conveyor(runs: Runs, case: Case, args: argparse.Namespace, rank: int,
         metered.reset_memory()
         metered.step(x, y)
         report = metered.memory()
-        return {"saved": report.peak_saved_bytes, "sets": report.peak_microbatches,
-                "theory": alive_peak(pipe.program[rank])}
+        return {
+            "saved": report.peak_saved_bytes,
+            "sets": report.peak_microbatches,
+            "theory": alive_peak(pipe.program[rank]),
+        }
 
     runs.steps[f"conveyor {case.name}"] = step
     runs.zero[f"conveyor {case.name}"] = lambda: [setattr(p, "grad", None) for p in optimizerless]
     runs.memory[f"conveyor {case.name}"] = memory
 
 
-def add_peer(runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor,
-             y: torch.Tensor) -> None:
+def add_peer(
+    runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
+) -> None:
     assert case.peer is not None
     layout = layout_of(case.name)
     num_stages = layout.virtual_stages * RANKS
@@ -144,10 +158,13 @@ def add_peer(runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: tor
     for count in balance(args.layers, num_stages):
         bounds.append(bounds[-1] + count)
     local = [s for s in range(num_stages) if ranks[s] == rank]
-    modules = {s: nn.Sequential(*layers[bounds[s]:bounds[s + 1]]) for s in local}
+    modules = {s: nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in local}
     stages = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in local]
-    schedule = case.peer(stages if layout.virtual_stages > 1 or case.name == "zb-h1"
-                         else stages[0], args.microbatches, loss_fn=gpt_loss)
+    schedule = case.peer(
+        stages if layout.virtual_stages > 1 or case.name == "zb-h1" else stages[0],
+        args.microbatches,
+        loss_fn=gpt_loss,
+    )
     first, last = 0 in local, num_stages - 1 in local
     parameters = [p for m in modules.values() for p in m.parameters()]
 
@@ -173,8 +190,13 @@ def add_peer(runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: tor
 
 def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=RANKS, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=RANKS,
+        timeout=timedelta(seconds=600),
+    )
     x, y = text_batches(args.batch, args.seq_len, 1)[0]
     runs = Runs()
     for case in CASES:
@@ -200,8 +222,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--microbatches", default="8,4",
-                        help="micro-batch counts, one table each")
+    parser.add_argument("--microbatches", default="8,4", help="micro-batch counts, one table each")
     parser.add_argument("--schedules", default=",".join(c.name for c in CASES))
     parser.add_argument("--repeats", type=int, default=5, help="alternating blocks of steps")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
@@ -270,17 +291,22 @@ def table(args: argparse.Namespace, results: dict[str, Any]) -> str:
         saved = " / ".join(f"{m_['saved'] / 1e6:.1f}" for m_ in mine)
         if theirs in median:
             peer = " / ".join(f"{memory[r][theirs]['saved'] / 1e6:.1f}" for r in range(RANKS))
-            row = (f"| {case.name} | {median[ours] * 1e3:.0f} | {median[theirs] * 1e3:.0f} "
-                   f"({case.peer_name}) | {median[ours] / median[theirs]:.2f} | {saved} | "
-                   f"{peer} | {sets} |")
+            row = (
+                f"| {case.name} | {median[ours] * 1e3:.0f} | {median[theirs] * 1e3:.0f} "
+                f"({case.peer_name}) | {median[ours] / median[theirs]:.2f} | {saved} | "
+                f"{peer} | {sets} |"
+            )
         else:
             row = f"| {case.name} | {median[ours] * 1e3:.0f} | - | - | {saved} | - | {sets} |"
         lines.append(row)
     if "conveyor zb-h1" in median and "conveyor 1f1b" in median:
         ratio = median["conveyor zb-h1"] / median["conveyor 1f1b"]
-        lines += ["", f"ZB-H1 / 1F1B step time (conveyor, same 2 stages): {ratio:.3f}; the "
-                      f"simulator's ideal (F = I = W): "
-                      f"{(3 * args.microbatches + 1) / (3 * args.microbatches + 3):.3f}."]
+        lines += [
+            "",
+            f"ZB-H1 / 1F1B step time (conveyor, same 2 stages): {ratio:.3f}; the "
+            f"simulator's ideal (F = I = W): "
+            f"{(3 * args.microbatches + 1) / (3 * args.microbatches + 3):.3f}.",
+        ]
     return "\n".join(lines)
 
 

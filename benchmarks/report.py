@@ -10,8 +10,10 @@ from pathlib import Path
 __all__ = ["write_section"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-HEADER = ("# Benchmarks\n\nEvery figure below was produced by the command shown in its section, "
-          "on the machine named there; ratios are measured side by side in one run, medians.\n")
+HEADER = (
+    "# Benchmarks\n\nEvery figure below was produced by the command shown in its section, "
+    "on the machine named there; ratios are measured side by side in one run, medians.\n"
+)
 
 
 def write_section(name: str, markdown: str) -> None:

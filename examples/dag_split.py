@@ -19,13 +19,17 @@ from conveyor.trace import render_grid
 def show(title: str, graph: StageGraph, num_microbatches: int = 4) -> None:
     print(f"{title}: {graph.num_stages} stages, depth {graph.depth}")
     for stage in graph.stages:
-        print(f"  stage {stage.index} on rank {stage.rank}: {', '.join(stage.inputs)} -> "
-              f"{', '.join(stage.outputs)}")
+        print(
+            f"  stage {stage.index} on rank {stage.rank}: {', '.join(stage.inputs)} -> "
+            f"{', '.join(stage.outputs)}"
+        )
     topology = graph.topology()
     timeline = simulate(build_program("1f1b", topology, num_microbatches), topology)
     print(render_grid(timeline))
-    print(f"  1F1B, {num_microbatches} micro-batches, F=1 B=2: step {timeline.step_time:g}, "
-          f"bubble {timeline.bubble_fraction:.0%}\n")
+    print(
+        f"  1F1B, {num_microbatches} micro-batches, F=1 B=2: step {timeline.step_time:g}, "
+        f"bubble {timeline.bubble_fraction:.0%}\n"
+    )
 
 
 def main() -> None:
@@ -33,7 +37,7 @@ def main() -> None:
     stages = [["text"], ["image"], ["head"]]
     show("graph pipeline", split_by_modules(model, stages))
     show("chain pipeline (skips relayed)", split_by_modules(model, stages, relay_skips=True))
-    (inputs, _), = multimodal_batches(batch_size=8, num_batches=1)
+    ((inputs, _),) = multimodal_batches(batch_size=8, num_batches=1)
     show("auto_split into 3 stages", auto_split(model, 3, example_inputs=inputs))
 
 

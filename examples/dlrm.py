@@ -27,8 +27,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = dlrm(table_size=100)  # 13 dense features, 8 tables of 100 rows, bags of 4
-    pipe = conveyor.Pipeline(model, stage_modules=("bottom", "embeddings", "top"),
-                             num_microbatches=4, schedule=args.schedule, loss_fn=click_loss)
+    pipe = conveyor.Pipeline(
+        model,
+        stage_modules=("bottom", "embeddings", "top"),
+        num_microbatches=4,
+        schedule=args.schedule,
+        loss_fn=click_loss,
+    )
     optimizer = torch.optim.Adagrad(pipe.parameters(), lr=0.05)
     batches = click_batches(batch_size=128, num_batches=args.steps, table_size=100)
     for step, (inputs, clicks) in enumerate(batches, start=1):
@@ -37,8 +42,9 @@ def main() -> None:
         optimizer.zero_grad()
         if loss is not None and (step == 1 or step % 10 == 0):
             logging.info("step %d | loss %.4f", step, loss.item())
-    logging.info("rank %d holds %s", pipe.rank, sorted({n.split(".")[0] for n, _ in
-                                                        pipe.named_parameters()}))
+    logging.info(
+        "rank %d holds %s", pipe.rank, sorted({n.split(".")[0] for n, _ in pipe.named_parameters()})
+    )
     dist.destroy_process_group()
 
 

@@ -31,13 +31,24 @@ def main() -> None:
     model = two_tower()  # text: 4 blocks over 16 tokens; image: 2 blocks over 32 patches
     batches = multimodal_batches(batch_size=32, num_batches=args.steps)
     if args.auto:
-        pipe = conveyor.Pipeline(model, auto_split=True, example_inputs=batches[0][0],
-                                 num_microbatches=4, schedule=args.schedule,
-                                 loss_fn=classification_loss, measure_memory=True)
+        pipe = conveyor.Pipeline(
+            model,
+            auto_split=True,
+            example_inputs=batches[0][0],
+            num_microbatches=4,
+            schedule=args.schedule,
+            loss_fn=classification_loss,
+            measure_memory=True,
+        )
     else:
-        pipe = conveyor.Pipeline(model, stage_modules=("text", "image", "head"),
-                                 num_microbatches=4, schedule=args.schedule,
-                                 loss_fn=classification_loss, measure_memory=True)
+        pipe = conveyor.Pipeline(
+            model,
+            stage_modules=("text", "image", "head"),
+            num_microbatches=4,
+            schedule=args.schedule,
+            loss_fn=classification_loss,
+            measure_memory=True,
+        )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step, (inputs, labels) in enumerate(batches, start=1):
         loss = pipe.step(inputs, labels)  # inputs: {"tokens", "patches", "mask"}
@@ -46,8 +57,13 @@ def main() -> None:
         if loss is not None and (step == 1 or step % 10 == 0):
             logging.info("step %d | loss %.4f", step, loss.item())
     edges = [(s.index, c) for s in pipe.graph.stages for c in pipe.graph.consumers(s.index)]
-    logging.info("rank %d: stage graph edges %s, depth %d, peak activations %.0f KiB",
-                 pipe.rank, edges, pipe.graph.depth, pipe.memory().peak_bytes / 1024)
+    logging.info(
+        "rank %d: stage graph edges %s, depth %d, peak activations %.0f KiB",
+        pipe.rank,
+        edges,
+        pipe.graph.depth,
+        pipe.memory().peak_bytes / 1024,
+    )
     dist.destroy_process_group()
 
 

@@ -23,8 +23,14 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("meta"):  # nothing is allocated until each rank builds its own stage
         model = gpt(num_layers=4)
-    pipe = conveyor.Pipeline(model, balance=[3, 3], num_microbatches=8,
-                             schedule=args.schedule, checkpoint="except_last", loss_fn=gpt_loss)
+    pipe = conveyor.Pipeline(
+        model,
+        balance=[3, 3],
+        num_microbatches=8,
+        schedule=args.schedule,
+        checkpoint="except_last",
+        loss_fn=gpt_loss,
+    )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     for step, (inputs, targets) in enumerate(text_batches(32, 64, args.steps), start=1):
         loss = pipe.step(inputs, targets)  # every rank passes the same batch

@@ -41,7 +41,7 @@ class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (len(self.ids) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        window = self.ids[index * self.seq_len:(index + 1) * self.seq_len + 1]
+        window = self.ids[index * self.seq_len : (index + 1) * self.seq_len + 1]
         return window[:-1], window[1:]
 
 
@@ -49,8 +49,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
-    parser.add_argument("--checkpoint-dir", help="default: $CONVEYOR_CHECKPOINT_DIR "
-                        "(conveyor run --checkpoint-dir), else a new temporary directory")
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="default: $CONVEYOR_CHECKPOINT_DIR "
+        "(conveyor run --checkpoint-dir), else a new temporary directory",
+    )
     parser.add_argument("--loss-log", type=Path, help="append every step's loss (JSON lines)")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
@@ -58,18 +61,29 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _init_process_group()
-    directory = (args.checkpoint_dir or os.environ.get("CONVEYOR_CHECKPOINT_DIR")
-                 or tempfile.mkdtemp(prefix="conveyor-ckpt-"))
+    directory = (
+        args.checkpoint_dir
+        or os.environ.get("CONVEYOR_CHECKPOINT_DIR")
+        or tempfile.mkdtemp(prefix="conveyor-ckpt-")
+    )
 
     _seed_everything(0)  # a deterministic run; resumes restore these generators' states
     model = gpt(seq_len=32, dim=32, num_layers=2)  # dropout 0.1: resumes reproduce it too
-    pipe = conveyor.Pipeline(model, num_microbatches=args.microbatches, schedule=args.schedule,
-                             loss_fn=gpt_loss)
+    pipe = conveyor.Pipeline(
+        model, num_microbatches=args.microbatches, schedule=args.schedule, loss_fn=gpt_loss
+    )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     loader = ResumableLoader(CharWindows(seq_len=32), batch_size=16, seed=0)
-    with Checkpointer(pipe, optimizer, scheduler=scheduler, data=loader, directory=directory,
-                      every=args.every, async_save=not args.sync) as ckpt:
+    with Checkpointer(
+        pipe,
+        optimizer,
+        scheduler=scheduler,
+        data=loader,
+        directory=directory,
+        every=args.every,
+        async_save=not args.sync,
+    ) as ckpt:
         start = ckpt.resume_latest()  # 0 on the first attempt
         batches = loader.forever()
         for step in range(start + 1, args.steps + 1):
@@ -90,8 +104,7 @@ def _log(path: Path | None, step: int, loss: float) -> None:
     logging.info("step %d | loss %.4f", step, loss)
     if path is not None:
         with path.open("a") as log:  # one write per line: a killed run leaves whole lines
-            log.write(json.dumps({"step": step, "loss": loss.hex(), "attempt": attempt()})
-                      + "\n")
+            log.write(json.dumps({"step": step, "loss": loss.hex(), "attempt": attempt()}) + "\n")
 
 
 def _seed_everything(seed: int) -> None:

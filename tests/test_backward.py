@@ -81,8 +81,12 @@ class Attention(nn.Module):
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
-    "mlp": (Mlp, 1), "same weight twice": (SameWeightTwice, 1), "weight alone": (WeightAlone, 1),
-    "two in, two out": (TwoInTwoOut, 2), "attention": (Attention, 1)}
+    "mlp": (Mlp, 1),
+    "same weight twice": (SameWeightTwice, 1),
+    "weight alone": (WeightAlone, 1),
+    "two in, two out": (TwoInTwoOut, 2),
+    "attention": (Attention, 1),
+}
 
 
 def run(model: nn.Module, inputs: list[torch.Tensor], recompute: bool) -> list[torch.Tensor]:
@@ -95,16 +99,21 @@ def run(model: nn.Module, inputs: list[torch.Tensor], recompute: bool) -> list[t
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("inputs_need_grad", [True, False])
-def test_input_then_weight_equals_backward(name: str, recompute: bool,
-                                           inputs_need_grad: bool) -> None:
+def test_input_then_weight_equals_backward(
+    name: str, recompute: bool, inputs_need_grad: bool
+) -> None:
     make, num_inputs = MODELS[name]
     model = make().double()
-    inputs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=inputs_need_grad)
-              for _ in range(num_inputs)]
+    inputs = [
+        torch.randn(3, 4, dtype=torch.float64, requires_grad=inputs_need_grad)
+        for _ in range(num_inputs)
+    ]
     outputs = run(model, inputs, recompute)
     grads = [torch.randn_like(o) for o in outputs]
-    torch.autograd.backward([o for o in outputs if o.requires_grad],
-                            [g for o, g in zip(outputs, grads, strict=True) if o.requires_grad])
+    torch.autograd.backward(
+        [o for o in outputs if o.requires_grad],
+        [g for o, g in zip(outputs, grads, strict=True) if o.requires_grad],
+    )
     expected_inputs = [x.grad for x in inputs]
     expected = {n: p.grad for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)

@@ -23,8 +23,11 @@ def test_running_statistics_are_the_mini_batchs(momentum: float | None, recomput
         x = torch.randn(10, 3, dtype=torch.float64)  # micro-batches of 4, 3 and 3 samples
         plain(x)
         for chunk in torch.tensor_split(x, 3):
-            out = (checkpoint(deferred, chunk, use_reentrant=False, context_fn=recompute_context)
-                   if recompute else deferred(chunk))
+            out = (
+                checkpoint(deferred, chunk, use_reentrant=False, context_fn=recompute_context)
+                if recompute
+                else deferred(chunk)
+            )
             out.sum().backward()  # recomputes the forward when checkpointed
     for name, value in plain[1].state_dict().items():
         torch.testing.assert_close(deferred[1].state_dict()[name], value, rtol=0, atol=1e-12)
@@ -49,7 +52,9 @@ def test_shares_parameters_and_buffers() -> None:
     weight, mean = model[1].weight, model[1].running_mean
     converted = DeferredBatchNorm.convert(model, num_microbatches=4)
     assert converted is model and model[1].weight is weight and model[1].running_mean is mean
-    assert DeferredBatchNorm.convert(nn.BatchNorm1d(3, track_running_stats=False), 2).__class__ \
+    assert (
+        DeferredBatchNorm.convert(nn.BatchNorm1d(3, track_running_stats=False), 2).__class__
         is nn.BatchNorm1d
+    )
     with pytest.raises(ValueError, match=r"expects \(N, 2, ...\)"):
         model[1](torch.randn(2, 3, 4, 4))

@@ -27,8 +27,9 @@ def test_gpipe_literal() -> None:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("num_microbatches", [1, 2, 3, 5, 8, 16])
-def test_schedules_are_valid_with_the_textbook_bubble(name: str, num_stages: int,
-                                                      num_microbatches: int) -> None:
+def test_schedules_are_valid_with_the_textbook_bubble(
+    name: str, num_stages: int, num_microbatches: int
+) -> None:
     graph = chain(num_stages)
     program = SCHEDULES[name](graph, num_microbatches)
     validate(program, graph)

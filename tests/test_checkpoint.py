@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import random
@@ -32,7 +31,7 @@ from conveyor.checkpoint import (
 from conveyor.checkpoint.manifest import FileEntry, Manifest
 from conveyor.checkpoint.writer import Writer
 from conveyor.config import CheckpointConfig
-from conveyor.data import ResumableLoader, epoch_order
+from conveyor.data import ResumableLoader
 from conveyor.models import (
     char_ids,
     classification_loss,
@@ -56,25 +55,38 @@ def windows() -> TensorDataset:
     ids = char_ids()
     count = (len(ids) - 1) // SEQ
     starts = torch.arange(count) * SEQ
-    rows = torch.stack([ids[s:s + SEQ + 1] for s in starts.tolist()])
+    rows = torch.stack([ids[s : s + SEQ + 1] for s in starts.tolist()])
     return TensorDataset(rows[:, :-1], rows[:, 1:])
 
 
 class Run:
     """One rank's part of a training run with a Checkpointer (every=2)."""
 
-    def __init__(self, directory: Path, *, model: nn.Module | None = None,
-                 group: dist.ProcessGroup | None = None, with_optimizer: bool = True,
-                 pipeline: dict[str, Any] | None = None, **options: Any) -> None:
-        self.pipe = conveyor.Pipeline(model or small_gpt(), loss_fn=gpt_loss, group=group,
-                                      **(pipeline or {}))
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        model: nn.Module | None = None,
+        group: dist.ProcessGroup | None = None,
+        with_optimizer: bool = True,
+        pipeline: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        self.pipe = conveyor.Pipeline(
+            model or small_gpt(), loss_fn=gpt_loss, group=group, **(pipeline or {})
+        )
         self.optimizer = torch.optim.AdamW(self.pipe.parameters(), lr=1e-2)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
         self.loader = ResumableLoader(windows(), batch_size=8, seed=0)
-        self.ckpt = Checkpointer(self.pipe, self.optimizer if with_optimizer else None,
-                                 scheduler=self.scheduler if with_optimizer else None,
-                                 data=self.loader, directory=str(directory), every=2,
-                                 **options)
+        self.ckpt = Checkpointer(
+            self.pipe,
+            self.optimizer if with_optimizer else None,
+            scheduler=self.scheduler if with_optimizer else None,
+            data=self.loader,
+            directory=str(directory),
+            every=2,
+            **options,
+        )
         self.batches = self.loader.forever()
 
     def train(self, first: int, last: int) -> list[float]:
@@ -95,10 +107,13 @@ class Run:
 
     def state(self) -> dict[str, Any]:
         """Everything a resume must restore, for bitwise comparison."""
-        return {"model": {k: v.clone() for k, v in self.pipe.state_dict().items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict(),
-                "step_index": self.pipe.step_index}
+        return {
+            "model": {k: v.clone() for k, v in self.pipe.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "step_index": self.pipe.step_index,
+        }
 
 
 VIRTUAL = {"interleaved-1f1b": (0, 1, 0, 1), "zb-v": (0, 1, 1, 0)}
@@ -135,8 +150,9 @@ def assert_same(actual: Any, expected: Any) -> None:
 
 
 def test_manifest_round_trips_through_json() -> None:
-    manifest = Manifest(4, 2, {"num_stages": 2}, {"__0_0.distcp": FileEntry(10, "ab", 0)},
-                        {"torch": "x"}, "now")
+    manifest = Manifest(
+        4, 2, {"num_stages": 2}, {"__0_0.distcp": FileEntry(10, "ab", 0)}, {"torch": "x"}, "now"
+    )
     assert Manifest.from_json(manifest.to_json()) == manifest
 
 
@@ -152,45 +168,6 @@ def test_checkpoint_config_rejects_bad_values() -> None:
         CheckpointConfig(every=0)
     with pytest.raises(ValueError, match="keep must be >= 0"):
         CheckpointConfig(keep=-1)
-
-
-def test_loader_resumes_mid_epoch_with_the_same_batches() -> None:
-    data = TensorDataset(torch.arange(50))
-    reference = ResumableLoader(data, batch_size=4, seed=3)
-    expected = [b[0].tolist() for b, _ in zip(reference.forever(), range(30), strict=False)]
-    first = ResumableLoader(data, batch_size=4, seed=3)
-    batches = first.forever()
-    seen = [next(batches)[0].tolist() for _ in range(17)]  # into the second epoch (12 a epoch)
-    state = json.loads(json.dumps(first.state_dict()))  # plain data
-    assert (state["epoch"], state["batch_index"]) == (1, 5)
-    resumed = ResumableLoader(data, batch_size=4, seed=3)
-    resumed.load_state_dict(state)
-    rest = resumed.forever()
-    seen += [next(rest)[0].tolist() for _ in range(13)]
-    assert seen == expected
-
-
-def test_loader_uses_each_sample_once_per_epoch_across_a_resume() -> None:
-    data = TensorDataset(torch.arange(20))
-    loader = ResumableLoader(data, batch_size=3, seed=1)  # 6 batches, 2 samples dropped
-    first = [next(iter(loader))[0] for _ in range(1)]
-    state = loader.state_dict()
-    resumed = ResumableLoader(data, batch_size=3, seed=1)
-    resumed.load_state_dict(state)
-    used = torch.cat(first + [b[0] for b in resumed]).tolist()
-    assert len(used) == len(set(used)) == 18
-    assert used == epoch_order(20, 0, seed=1)[:18]
-    assert (resumed.epoch, resumed.batch_index) == (1, 0)
-    assert epoch_order(20, 1, seed=1) != epoch_order(20, 0, seed=1)
-
-
-def test_loader_refuses_a_position_from_other_batching() -> None:
-    data = TensorDataset(torch.arange(20))
-    state = ResumableLoader(data, batch_size=4).state_dict()
-    with pytest.raises(ValueError, match="batch_size 4 -> 5"):
-        ResumableLoader(data, batch_size=5).load_state_dict(state)
-    with pytest.raises(ValueError, match="gives no batch"):
-        ResumableLoader(data, batch_size=64)
 
 
 # -- one real checkpoint, then damaged copies of it -----------------------------------------
@@ -228,30 +205,47 @@ def _truncate(path: Path) -> None:
 
 
 DAMAGE = {
-    "truncated rank file": (lambda c: _truncate(c / "__1_0.distcp"),
-                            r"__1_0\.distcp: rank 1's data file has \d+ bytes but the manifest "
-                            r"records \d+: the file is truncated"),
-    "flipped byte": (lambda c: _flip_byte(c / "__0_0.distcp"),
-                     r"__0_0\.distcp: rank 0's data file has changed since it was written"),
-    "flipped byte in metadata": (lambda c: _flip_byte(c / ".metadata", 50),
-                                 r"\.metadata: the coordinator's index file has changed"),
-    "missing manifest": (lambda c: (c / "manifest.json").unlink(),
-                         r"manifest\.json: missing; the checkpoint was never completed"),
-    "damaged manifest": (lambda c: (c / "manifest.json").write_text("{\"format\": 1"),
-                         r"manifest\.json: is not a valid conveyor manifest"),
-    "missing metadata": (lambda c: (c / ".metadata").unlink(),
-                         r"\.metadata: the coordinator's index file is missing"),
-    "missing rank file": (lambda c: (c / "__1_0.distcp").unlink(),
-                          r"__1_0\.distcp: rank 1's data file is missing"),
-    "not a directory": (lambda c: (shutil.rmtree(c), c.write_text("x")),
-                        r"cannot read the directory: .*Not a directory"),
+    "truncated rank file": (
+        lambda c: _truncate(c / "__1_0.distcp"),
+        r"__1_0\.distcp: rank 1's data file has \d+ bytes but the manifest "
+        r"records \d+: the file is truncated",
+    ),
+    "flipped byte": (
+        lambda c: _flip_byte(c / "__0_0.distcp"),
+        r"__0_0\.distcp: rank 0's data file has changed since it was written",
+    ),
+    "flipped byte in metadata": (
+        lambda c: _flip_byte(c / ".metadata", 50),
+        r"\.metadata: the coordinator's index file has changed",
+    ),
+    "missing manifest": (
+        lambda c: (c / "manifest.json").unlink(),
+        r"manifest\.json: missing; the checkpoint was never completed",
+    ),
+    "damaged manifest": (
+        lambda c: (c / "manifest.json").write_text('{"format": 1'),
+        r"manifest\.json: is not a valid conveyor manifest",
+    ),
+    "missing metadata": (
+        lambda c: (c / ".metadata").unlink(),
+        r"\.metadata: the coordinator's index file is missing",
+    ),
+    "missing rank file": (
+        lambda c: (c / "__1_0.distcp").unlink(),
+        r"__1_0\.distcp: rank 1's data file is missing",
+    ),
+    "not a directory": (
+        lambda c: (shutil.rmtree(c), c.write_text("x")),
+        r"cannot read the directory: .*Not a directory",
+    ),
 }
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
-def test_damaged_checkpoint_is_named_with_its_file_and_cause(saved: Path, tmp_path: Path,
-                                                             kind: str) -> None:
+def test_damaged_checkpoint_is_named_with_its_file_and_cause(
+    saved: Path, tmp_path: Path, kind: str
+) -> None:
     checkpoint = _copy(saved, tmp_path)
     verify(checkpoint)  # intact before the damage
     damage, message = DAMAGE[kind]
@@ -286,8 +280,11 @@ def test_checkpoint_loads_into_the_plain_model(saved: Path) -> None:
     assert_same(model_state_dict(checkpoint), expected)
     progress = read_checkpoint(checkpoint, "progress.")
     assert progress == {"step": 4, "step_index": 4}
-    with pytest.raises(CheckpointError, match=r"parameter-name mismatch with Sequential: "
-                       r"missing \['3.mlp.0.bias'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"parameter-name mismatch with Sequential: "
+        r"missing \['3.mlp.0.bias'",
+    ):
         load_model(checkpoint, small_gpt(num_layers=3))
 
 
@@ -298,15 +295,21 @@ def test_manifest_records_every_file_and_the_configuration(saved: Path) -> None:
     assert set(manifest.files) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert set(os.listdir(checkpoint)) == set(manifest.files) | {"manifest.json"}
     assert {name: entry.rank for name, entry in manifest.files.items()} == {
-        ".metadata": None, "__0_0.distcp": 0, "__1_0.distcp": 1}
-    assert all(entry.size == (checkpoint / name).stat().st_size
-               for name, entry in manifest.files.items())
+        ".metadata": None,
+        "__0_0.distcp": 0,
+        "__1_0.distcp": 1,
+    }
+    assert all(
+        entry.size == (checkpoint / name).stat().st_size for name, entry in manifest.files.items()
+    )
     layout = manifest.layout
     assert (layout["num_stages"], layout["num_ranks"], layout["placement"]) == (2, 2, [0, 1])
     assert (layout["schedule"], layout["num_microbatches"]) == ("1f1b", 4)
     assert manifest.step == 4 and manifest.world_size == 2
     assert sorted(p.name for p in (saved / "ckpt").iterdir()) == [
-        "step-00000002", "step-00000004"]  # nothing temporary left
+        "step-00000002",
+        "step-00000004",
+    ]  # nothing temporary left
 
 
 # -- resume ---------------------------------------------------------------------------------
@@ -316,8 +319,7 @@ def _resume(rank: int, world_size: int, root: str) -> None:
     for schedule in sorted(conveyor.SCHEDULES):
         for async_save in (True, False):
             directory = Path(root) / f"{schedule}-{async_save}"
-            options: dict[str, Any] = {"pipeline": layout(schedule),
-                                       "async_save": async_save}
+            options: dict[str, Any] = {"pipeline": layout(schedule), "async_save": async_save}
             reference = Run(directory / "reference", **options)
             expected = reference.train(0, 8)
             expected_state = reference.state()
@@ -392,11 +394,22 @@ def _reshard(rank: int, world_size: int, root: str) -> None:
     checkpoint = base_dir / "step-00000004"
     saved = model_state_dict(checkpoint)
 
-    def resumed(name: str, *, group: dist.ProcessGroup | None = None,
-                numerics: bool = False, model: nn.Module | None = None,
-                **pipeline: Any) -> list[float]:
-        run = Run(Path(root) / name, group=group, pipeline=pipeline, allow_reshard=True,
-                  allow_numerics_change=numerics, model=model)
+    def resumed(
+        name: str,
+        *,
+        group: dist.ProcessGroup | None = None,
+        numerics: bool = False,
+        model: nn.Module | None = None,
+        **pipeline: Any,
+    ) -> list[float]:
+        run = Run(
+            Path(root) / name,
+            group=group,
+            pipeline=pipeline,
+            allow_reshard=True,
+            allow_numerics_change=numerics,
+            model=model,
+        )
         assert run.ckpt.load(checkpoint) == 4
         assert_same(dict(run.pipe.state_dict()), {k: saved[k] for k in run.pipe.state_dict()})
         assert run.pipe.step_index == 4 and run.loader.state_dict()["batch_index"] == 4
@@ -406,13 +419,20 @@ def _reshard(rank: int, world_size: int, root: str) -> None:
 
     # another balance computes the same thing: the losses go on bit for bit
     assert resumed("balance", balance=(1, 3)) == expected[4:]
-    with pytest.raises(CheckpointError, match=r"manifest\.json: configuration mismatch: .*"
-                       r"split_points \['2'\] -> \['1'\].*allow_reshard=True"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"manifest\.json: configuration mismatch: .*"
+        r"split_points \['2'\] -> \['1'\].*allow_reshard=True",
+    ):
         Run(Path(root) / "refused", pipeline={"balance": (1, 3)}).ckpt.load(checkpoint)
-    with pytest.raises(CheckpointError, match=r"num_microbatches 4 -> 8.*"
-                       r"allow_numerics_change=True"):
-        Run(Path(root) / "refused", pipeline={"num_microbatches": 8},
-            allow_reshard=True).ckpt.load(checkpoint)
+    with pytest.raises(
+        CheckpointError,
+        match=r"num_microbatches 4 -> 8.*"
+        r"allow_numerics_change=True",
+    ):
+        Run(Path(root) / "refused", pipeline={"num_microbatches": 8}, allow_reshard=True).ckpt.load(
+            checkpoint
+        )
     # other schedules (virtual stages included) may add micro-batch gradients in another order
     for schedule in sorted(set(conveyor.SCHEDULES) - {"1f1b"}):
         losses = resumed(schedule, numerics=True, **layout(schedule))
@@ -424,8 +444,9 @@ def _reshard(rank: int, world_size: int, root: str) -> None:
     no_dropout.ckpt.close()
     checkpoint = Path(root) / "no-dropout" / "step-00000004"
     saved = model_state_dict(checkpoint)
-    losses = resumed("microbatches", numerics=True, model=small_gpt(dropout=0.0),
-                     num_microbatches=8)
+    losses = resumed(
+        "microbatches", numerics=True, model=small_gpt(dropout=0.0), num_microbatches=8
+    )
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_expected[4:]))
     checkpoint = base_dir / "step-00000004"
     saved = model_state_dict(checkpoint)
@@ -447,12 +468,18 @@ def test_checkpoint_loads_into_another_split(tmp_path: Path) -> None:
     run_ranks(_reshard, tmp_path, 2, timeout_s=560, root=str(tmp_path))
 
 
-def _reference_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                    num_microbatches: int) -> torch.Tensor:
+def _reference_loss(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatches: int
+) -> torch.Tensor:
     """Plain training's loss, micro-batch k seeded as conveyor seeds it (step 0)."""
     total = torch.zeros((), dtype=torch.float64)
-    for k, (xk, yk) in enumerate(zip(torch.tensor_split(x, num_microbatches),
-                                     torch.tensor_split(y, num_microbatches), strict=True)):
+    for k, (xk, yk) in enumerate(
+        zip(
+            torch.tensor_split(x, num_microbatches),
+            torch.tensor_split(y, num_microbatches),
+            strict=True,
+        )
+    ):
         torch.manual_seed(conveyor.microbatch_seed(0, 0, k))
         total = total + gpt_loss(model(xk), yk) * (len(xk) / len(x))
     return total
@@ -502,10 +529,12 @@ def _bad(rank: int, world_size: int, root: str, source: str) -> None:
         f"checkpoint {directory / 'step-00000004'}: __1_0.distcp: rank 1's data file has "
         f"{(directory / 'step-00000004' / '__1_0.distcp').stat().st_size} bytes but the manifest "
         f"records {(Path(source) / 'step-00000004' / '__1_0.distcp').stat().st_size}: the file "
-        "is truncated"]
+        "is truncated"
+    ]
     if rank == 0:
         assert [m for m in warnings.messages if "skipping invalid checkpoint" in m] == [
-            f"skipping invalid checkpoint: {run.ckpt.skipped[0]}"]
+            f"skipping invalid checkpoint: {run.ckpt.skipped[0]}"
+        ]
     with pytest.raises(CheckpointError, match=r"step-00000004: __1_0\.distcp: rank 1's data"):
         run.ckpt.load(directory / "step-00000004")
     run.ckpt.close()
@@ -513,34 +542,47 @@ def _bad(rank: int, world_size: int, root: str, source: str) -> None:
     if rank == 0:
         (directory / "step-00000002" / "manifest.json").unlink()
     dist.barrier()
-    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoints is valid: .*"
-                       r"step-00000004: __1_0\.distcp: .*step-00000002: manifest\.json: missing"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"none of the 2 checkpoints is valid: .*"
+        r"step-00000004: __1_0\.distcp: .*step-00000002: manifest\.json: missing",
+    ):
         Run(directory).ckpt.resume_latest()
 
     good = Path(source) / "step-00000004"
-    with pytest.raises(CheckpointError, match=r"step-00000004: manifest\.json: configuration "
-                       r"mismatch: this run splits or places the model differently"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-00000004: manifest\.json: configuration "
+        r"mismatch: this run splits or places the model differently",
+    ):
         Run(Path(root) / "split", pipeline={"balance": (1, 3)}).ckpt.load(good)
-    with pytest.raises(CheckpointError, match=r"step-00000004: \.metadata: parameter-name "
-                       r"mismatch: \d+ of this model's parameters and buffers are not in the "
-                       r"checkpoint, e\.g\. \['3\.mlp\.0\.bias'.*\(and 1 more problem\)"):
-        Run(Path(root) / "names", model=small_gpt(num_layers=3),
-            allow_reshard=True).ckpt.load(good)
-    with pytest.raises(CheckpointError, match=r"\.metadata: shape mismatch: .*\[16, 16\] float32 "
-                       r"in the checkpoint but \[16, 32\] float32 here"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-00000004: \.metadata: parameter-name "
+        r"mismatch: \d+ of this model's parameters and buffers are not in the "
+        r"checkpoint, e\.g\. \['3\.mlp\.0\.bias'.*\(and 1 more problem\)",
+    ):
+        Run(Path(root) / "names", model=small_gpt(num_layers=3), allow_reshard=True).ckpt.load(good)
+    with pytest.raises(
+        CheckpointError,
+        match=r"\.metadata: shape mismatch: .*\[16, 16\] float32 "
+        r"in the checkpoint but \[16, 32\] float32 here",
+    ):
         Run(Path(root) / "shapes", model=small_gpt(dim=32)).ckpt.load(good)
     bare = Run(Path(root) / "bare", with_optimizer=False)
     bare.train(0, 2)
     bare.ckpt.close()
-    with pytest.raises(CheckpointError, match=r"entries this run restores are not in the "
-                       r"checkpoint, e\.g\. \['optimizer\.param_groups\..*it was saved without"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"entries this run restores are not in the "
+        r"checkpoint, e\.g\. \['optimizer\.param_groups\..*it was saved without",
+    ):
         Run(Path(root) / "with-optimizer").ckpt.load(Path(root) / "bare" / "step-00000002")
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_resume_skips_damaged_checkpoints_and_names_mismatches(saved: Path,
-                                                               tmp_path: Path) -> None:
+def test_resume_skips_damaged_checkpoints_and_names_mismatches(saved: Path, tmp_path: Path) -> None:
     run_ranks(_bad, tmp_path, 2, timeout_s=240, root=str(tmp_path), source=str(saved / "ckpt"))
 
 
@@ -556,8 +598,7 @@ def test_loader_leaves_the_global_generator_alone() -> None:
 def tied_gpt() -> nn.Sequential:
     """Embedding and output projection share one weight; on 2 ranks the tie spans them."""
     torch.manual_seed(0)
-    return gpt(seq_len=SEQ, dim=16, num_layers=2, num_heads=2, dropout=0.1,
-               tie_embeddings=True)
+    return gpt(seq_len=SEQ, dim=16, num_layers=2, num_heads=2, dropout=0.1, tie_embeddings=True)
 
 
 def _tied(rank: int, world_size: int, root: str) -> None:
@@ -568,8 +609,7 @@ def _tied(rank: int, world_size: int, root: str) -> None:
     saved = model_state_dict(checkpoint)
     assert torch.equal(saved["0.tokens.weight"], saved["3.out.weight"])  # both names, equal
     alone = [dist.new_group([r]) for r in range(world_size)]  # one rank holds both users
-    one = Run(Path(root) / f"one-{rank}", model=tied_gpt(), group=alone[rank],
-              allow_reshard=True)
+    one = Run(Path(root) / f"one-{rank}", model=tied_gpt(), group=alone[rank], allow_reshard=True)
     assert one.ckpt.load(checkpoint) == 4
     assert_same(dict(one.pipe.state_dict()), saved)
     # the tied gradient is now one sum over both users, not two sums added: close, not equal
@@ -596,11 +636,25 @@ def test_tied_weights_reshard_across_ranks(tmp_path: Path) -> None:
 
 def _towers(directory: Path, schedule: str) -> tuple[conveyor.Pipeline, Any, Checkpointer]:
     torch.manual_seed(0)
-    model = two_tower(vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dim=8,
-                      text_layers=2, image_layers=1, num_heads=2, dropout=0.1)
-    pipe = conveyor.Pipeline(model, stage_modules=("text", "image", "head"),
-                             placement=(0, 1, 1), schedule=schedule, num_microbatches=3,
-                             loss_fn=classification_loss)
+    model = two_tower(
+        vocab_size=16,
+        seq_len=6,
+        num_patches=4,
+        patch_dim=6,
+        dim=8,
+        text_layers=2,
+        image_layers=1,
+        num_heads=2,
+        dropout=0.1,
+    )
+    pipe = conveyor.Pipeline(
+        model,
+        stage_modules=("text", "image", "head"),
+        placement=(0, 1, 1),
+        schedule=schedule,
+        num_microbatches=3,
+        loss_fn=classification_loss,
+    )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     return pipe, optimizer, Checkpointer(pipe, optimizer, directory=str(directory), every=2)
 
@@ -608,8 +662,9 @@ def _towers(directory: Path, schedule: str) -> tuple[conveyor.Pipeline, Any, Che
 def _dag_resume(rank: int, world_size: int, root: str) -> None:
     batches = multimodal_batches(6, 8, vocab_size=16, seq_len=6, num_patches=4, patch_dim=6)
 
-    def train(run: tuple[conveyor.Pipeline, Any, Checkpointer], first: int,
-              last: int) -> list[float]:
+    def train(
+        run: tuple[conveyor.Pipeline, Any, Checkpointer], first: int, last: int
+    ) -> list[float]:
         pipe, optimizer, ckpt = run
         losses = []
         for step in range(first + 1, last + 1):

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["simulate"], ["plan"], ["trace"]])
-def test_every_help_prints_every_option(command: list[str],
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_help_prints_every_option(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     try:
         code = main([*command, "--help"])
     except SystemExit as exit_:  # argparse's own help exits
@@ -32,23 +33,39 @@ def test_simulate_prints_the_grid_and_the_bubble(capsys: pytest.CaptureFixture[s
     assert "bubble=27.3%" in out  # (p - 1) / (m + p - 1) = 3 / 11
 
 
-def test_simulate_reads_a_schedule_file(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     schedule = tmp_path / "mine.txt"
     schedule.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
-    assert main(["simulate", "--schedule", str(schedule), "--stages", "2",
-                 "--microbatches", "2", "--actions"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                str(schedule),
+                "--stages",
+                "2",
+                "--microbatches",
+                "2",
+                "--actions",
+            ]
+        )
+        == 0
+    )
     assert "rank 1: 1RF0<0 1RF1<0 1F0" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["simulate", "--schedule", "ifib"], "unknown schedule 'ifib'"),
-    (["demo", "--checkpoint", "sometimes"], "invalid choice: 'sometimes'"),
-    (["demo", "--num-microbatches", "0"], "num_microbatches must be >= 1"),
-    (["run", "-n", "2", "missing.py"], "script 'missing.py' not found"),
-])
-def test_bad_input_exits_2_with_a_message(argv: list[str], message: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--schedule", "ifib"], "unknown schedule 'ifib'"),
+        (["demo", "--checkpoint", "sometimes"], "invalid choice: 'sometimes'"),
+        (["demo", "--num-microbatches", "0"], "num_microbatches must be >= 1"),
+        (["run", "-n", "2", "missing.py"], "script 'missing.py' not found"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2

@@ -61,8 +61,9 @@ def test_a_pipeline_group_inside_a_larger_world(tmp_path: Path) -> None:
 def _after_restart(rank: int, world_size: int, store: str) -> None:
     first = P2P(None, torch.device("cpu"), TIMEOUT)._upward
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size, timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=TIMEOUT
+    )
     p2p = P2P(None, torch.device("cpu"), TIMEOUT)
     assert p2p._upward is not first, "groups of a destroyed world are made anew"
     _exchange(p2p, [1 - rank], rounds=3)

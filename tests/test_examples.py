@@ -49,8 +49,14 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     env.pop("RANK", None)  # examples decide for themselves whether they run under torchrun
     try:
-        done = subprocess.run(command(example), cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
+        done = subprocess.run(
+            command(example),
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{example.name} did not finish in {TIMEOUT_S}s: {error}")
     output = done.stdout + done.stderr

@@ -34,7 +34,8 @@ EXAMPLE = ROOT / "examples" / "train_resumable.py"
 def test_faults_parse_and_name_what_is_wrong() -> None:
     assert faults.parse("backward:rank=1:step=3, checkpoint.after_data:attempt=2") == (
         faults.Fault("backward", rank=1, step=3),
-        faults.Fault("checkpoint.after_data", attempt=2))
+        faults.Fault("checkpoint.after_data", attempt=2),
+    )
     assert faults.parse("checkpoint.write:action=enospc")[0].action == "enospc"
     assert faults.parse("") == ()
     with pytest.raises(ValueError, match="unknown injection point 'backwards'"):
@@ -43,8 +44,7 @@ def test_faults_parse_and_name_what_is_wrong() -> None:
         faults.parse("forward:rank=one")
 
 
-def test_a_fault_fires_once_at_its_rank_step_and_attempt(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fault_fires_once_at_its_rank_step_and_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(faults.ENV, "checkpoint.after_data:rank=1:step=4:action=enospc")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     faults.fire("checkpoint.after_data", step=4, rank=0)  # another rank
@@ -61,10 +61,17 @@ def test_a_fault_fires_once_at_its_rank_step_and_attempt(
 
 
 def test_a_kill_fault_kills_the_process_with_sigkill() -> None:
-    code = ("from conveyor.runtime import faults; faults.fire('forward', step=3, rank=0); "
-            "print('alive')")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, faults.ENV: "forward:step=3"}, timeout=120)
+    code = (
+        "from conveyor.runtime import faults; faults.fire('forward', step=3, rank=0); "
+        "print('alive')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, faults.ENV: "forward:step=3"},
+        timeout=120,
+    )
     assert result.returncode == -9 and "alive" not in result.stdout
     assert "injected fault forward:step=3:attempt=0:action=kill: SIGKILL" in result.stderr
 
@@ -77,10 +84,12 @@ def _disk_full(rank: int, world_size: int, root: str, async_save: bool) -> None:
     os.environ[faults.ENV] = "checkpoint.write:rank=1:step=4:action=enospc"
     run = Run(directory, async_save=async_save, keep=0)
     run.train(0, 3)  # step 2 saved
-    message = (rf"checkpoint {directory}/\.tmp-step-00000004-\w+-1: saving step 4 failed: "
-               r"rank 1: RuntimeError: rank 1: writing __1_0\.distcp in .*: OSError: \[Errno 28\] "
-               r"No space left on device .*; the checkpoint was not published and earlier ones "
-               rf"in {directory} are untouched")
+    message = (
+        rf"checkpoint {directory}/\.tmp-step-00000004-\w+-1: saving step 4 failed: "
+        r"rank 1: RuntimeError: rank 1: writing __1_0\.distcp in .*: OSError: \[Errno 28\] "
+        r"No space left on device .*; the checkpoint was not published and earlier ones "
+        rf"in {directory} are untouched"
+    )
     with pytest.raises(CheckpointError, match=message):
         run.train(3, 4)  # saves step 4: raises at once when synchronous
         run.ckpt.wait()  # else when the background write is waited for
@@ -96,33 +105,54 @@ def _disk_full(rank: int, world_size: int, root: str, async_save: bool) -> None:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("async_save", [True, False])
-def test_full_disk_keeps_earlier_checkpoints_and_says_so(tmp_path: Path,
-                                                         async_save: bool) -> None:
-    run_ranks(_disk_full, tmp_path, 2, timeout_s=150, root=str(tmp_path),
-              async_save=async_save)
+def test_full_disk_keeps_earlier_checkpoints_and_says_so(tmp_path: Path, async_save: bool) -> None:
+    run_ranks(_disk_full, tmp_path, 2, timeout_s=150, root=str(tmp_path), async_save=async_save)
 
 
 # -- killed ranks under torchrun restarts --------------------------------------------------
 
 
-def _conveyor_run(tmp_path: Path, name: str, steps: int, fault_list: list[str],
-                  max_restarts: int) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+def _conveyor_run(
+    tmp_path: Path, name: str, steps: int, fault_list: list[str], max_restarts: int
+) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
     directory, log = tmp_path / name, tmp_path / f"{name}.jsonl"
     env = {**os.environ, faults.ENV: ",".join(fault_list), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "conveyor.cli", "run", "-n", "2", "--max-restarts",
-               str(max_restarts), "--checkpoint-dir", str(directory), str(EXAMPLE),
-               "--steps", str(steps), "--every", "2", "--loss-log", str(log)]
+    command = [
+        sys.executable,
+        "-m",
+        "conveyor.cli",
+        "run",
+        "-n",
+        "2",
+        "--max-restarts",
+        str(max_restarts),
+        "--checkpoint-dir",
+        str(directory),
+        str(EXAMPLE),
+        "--steps",
+        str(steps),
+        "--every",
+        "2",
+        "--loss-log",
+        str(log),
+    ]
     # a session of its own, so a timeout stops torchrun's workers too, not only torchrun
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=tmp_path, start_new_session=True) as process:
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    ) as process:
         try:
             stdout, stderr = process.communicate(timeout=500)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
             raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), \
-        directory, log
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), directory, log
 
 
 def _losses(log: Path) -> list[dict[str, Any]]:
@@ -135,8 +165,7 @@ def _check_against_reference(tmp_path: Path, steps: int, fault_list: list[str]) 
     expected = {entry["step"]: entry["loss"] for entry in _losses(reference_log)}
     assert sorted(expected) == list(range(1, steps + 1))
 
-    result, directory, log = _conveyor_run(tmp_path, "faulted", steps, fault_list,
-                                           len(fault_list))
+    result, directory, log = _conveyor_run(tmp_path, "faulted", steps, fault_list, len(fault_list))
     assert result.returncode == 0, result.stderr[-3000:]
     for fault in faults.parse(",".join(fault_list)):  # every fault really fired
         assert f"injected fault {fault}: SIGKILL" in result.stderr, fault
@@ -150,9 +179,12 @@ def _check_against_reference(tmp_path: Path, steps: int, fault_list: list[str]) 
 
 
 TRAINING_FAULTS = [
-    "forward:rank=0:step=1:attempt=0", "forward:rank=1:step=3:attempt=1",
-    "backward:rank=0:step=5:attempt=2", "backward:rank=1:step=7:attempt=3",
-    "optimizer_step:rank=0:step=9:attempt=4", "optimizer_step:rank=1:step=11:attempt=5",
+    "forward:rank=0:step=1:attempt=0",
+    "forward:rank=1:step=3:attempt=1",
+    "backward:rank=0:step=5:attempt=2",
+    "backward:rank=1:step=7:attempt=3",
+    "optimizer_step:rank=0:step=9:attempt=4",
+    "optimizer_step:rank=1:step=11:attempt=5",
 ]
 
 
@@ -163,11 +195,12 @@ def test_killed_in_training_resumes_bitwise(tmp_path: Path) -> None:
     _check_against_reference(tmp_path, 14, TRAINING_FAULTS)
 
 
-CHECKPOINT_PHASES = ["after_snapshot", "write", "after_data", "after_metadata",
-                     "before_rename"]
-CHECKPOINT_FAULTS = [f"checkpoint.{phase}:rank={rank}:step={2 * (2 * i + rank + 1)}:"
-                     f"attempt={2 * i + rank}"
-                     for i, phase in enumerate(CHECKPOINT_PHASES) for rank in (0, 1)]
+CHECKPOINT_PHASES = ["after_snapshot", "write", "after_data", "after_metadata", "before_rename"]
+CHECKPOINT_FAULTS = [
+    f"checkpoint.{phase}:rank={rank}:step={2 * (2 * i + rank + 1)}:attempt={2 * i + rank}"
+    for i, phase in enumerate(CHECKPOINT_PHASES)
+    for rank in (0, 1)
+]
 
 
 @pytest.mark.dist
@@ -183,8 +216,10 @@ def test_lost_rank_without_restarts_left_fails_the_run_naming_it(tmp_path: Path)
     lost = ["backward:rank=1:step=2:attempt=0", "forward:rank=0:step=3:attempt=1"]
     result, _, log = _conveyor_run(tmp_path, "lost", 8, lost, 1)
     assert result.returncode == 1
-    assert ("rank 0 (local rank 0) failed first: exit code -9 (SIGKILL); no restarts left "
-            "(--max-restarts 1 used up)") in result.stderr
+    assert (
+        "rank 0 (local rank 0) failed first: exit code -9 (SIGKILL); no restarts left "
+        "(--max-restarts 1 used up)"
+    ) in result.stderr
     # rank 1 fails on its own, naming rank 0, unless torchrun has stopped it first
     assert "lost rank 0" in result.stderr or "SIGTERM" in result.stderr
     assert {entry["attempt"] for entry in _losses(log)} == {0, 1}
@@ -197,8 +232,13 @@ def test_lost_rank_without_restarts_left_fails_the_run_naming_it(tmp_path: Path)
 def _survivor(rank: int, world_size: int, store: str, out: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )
     start = time.monotonic()
     try:
         Run(Path(out) / "ckpt", pipeline={"timeout_s": 30.0}, timeout_s=30.0).train(0, 6)
@@ -215,9 +255,10 @@ def _lose(tmp_path: Path, lost: int, world_size: int = 3) -> dict[int, tuple[int
     out = tmp_path / f"lost-{lost}"
     out.mkdir()
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_survivor, args=(r, world_size, str(out / "store"),
-                                                         str(out)))
-                 for r in range(world_size)]
+    processes = [
+        context.Process(target=_survivor, args=(r, world_size, str(out / "store"), str(out)))
+        for r in range(world_size)
+    ]
     os.environ[faults.ENV] = f"backward:rank={lost}:step=2"
     try:
         for process in processes:
@@ -230,8 +271,11 @@ def _lose(tmp_path: Path, lost: int, world_size: int = 3) -> dict[int, tuple[int
             if process.is_alive():
                 process.kill()
     assert processes[lost].exitcode == -9
-    return {r: (processes[r].exitcode, (out / f"rank{r}.txt").read_text())
-            for r in range(world_size) if r != lost}
+    return {
+        r: (processes[r].exitcode, (out / f"rank{r}.txt").read_text())
+        for r in range(world_size)
+        if r != lost
+    }
 
 
 @pytest.mark.dist

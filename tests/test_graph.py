@@ -32,11 +32,14 @@ def test_placement_round_robin() -> None:
     assert graph.stages_on(1) == [1, 3]
 
 
-@pytest.mark.parametrize(("stages", "message"), [
-    ((Stage(0, 0, ("nope",), (MODEL_OUTPUT,)),), "takes 'nope'"),
-    ((Stage(0, 0, ("input",), ("a",)),), "no stage produces the model output"),
-    ((Stage(0, 1, ("input",), (MODEL_OUTPUT,)),), "expected every rank"),
-])
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ((Stage(0, 0, ("nope",), (MODEL_OUTPUT,)),), "takes 'nope'"),
+        ((Stage(0, 0, ("input",), ("a",)),), "no stage produces the model output"),
+        ((Stage(0, 1, ("input",), (MODEL_OUTPUT,)),), "expected every rank"),
+    ],
+)
 def test_invalid_graphs_are_rejected(stages: tuple[Stage, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StageGraph(stages)

@@ -52,31 +52,47 @@ TOLERANCE = {"rtol": 1e-10, "atol": 1e-10}
 
 def towers(placement: tuple[int, int, int] = (0, 1, 2)) -> StageGraph:
     """Two towers (stages 0, 1) joined by a head (stage 2)."""
-    return StageGraph((Stage(0, placement[0], ("x",), ("a",)),
-                       Stage(1, placement[1], ("y",), ("b",)),
-                       Stage(2, placement[2], ("a", "b"), (MODEL_OUTPUT,))), ("x", "y"))
+    return StageGraph(
+        (
+            Stage(0, placement[0], ("x",), ("a",)),
+            Stage(1, placement[1], ("y",), ("b",)),
+            Stage(2, placement[2], ("a", "b"), (MODEL_OUTPUT,)),
+        ),
+        ("x", "y"),
+    )
 
 
 def unet_levels(placement: tuple[int, ...]) -> StageGraph:
     """Encoder 0 -> 1, decoder 2 -> 3, skips 0 -> 3 and 1 -> 2."""
-    return StageGraph((Stage(0, placement[0], ("x",), ("h0", "s0")),
-                       Stage(1, placement[1], ("h0",), ("h1", "s1")),
-                       Stage(2, placement[2], ("h1", "s1"), ("h2",)),
-                       Stage(3, placement[3], ("h2", "s0"), (MODEL_OUTPUT,))), ("x",))
+    return StageGraph(
+        (
+            Stage(0, placement[0], ("x",), ("h0", "s0")),
+            Stage(1, placement[1], ("h0",), ("h1", "s1")),
+            Stage(2, placement[2], ("h1", "s1"), ("h2",)),
+            Stage(3, placement[3], ("h2", "s0"), (MODEL_OUTPUT,)),
+        ),
+        ("x",),
+    )
 
 
 def diamond(placement: tuple[int, ...]) -> StageGraph:
     """Stage 0 feeds stages 1 and 2 (fan-out), which both feed stage 3 (fan-in)."""
-    return StageGraph((Stage(0, placement[0], ("x",), ("h",)),
-                       Stage(1, placement[1], ("h",), ("l",)),
-                       Stage(2, placement[2], ("h",), ("r",)),
-                       Stage(3, placement[3], ("l", "r"), (MODEL_OUTPUT,))), ("x",))
+    return StageGraph(
+        (
+            Stage(0, placement[0], ("x",), ("h",)),
+            Stage(1, placement[1], ("h",), ("l",)),
+            Stage(2, placement[2], ("h",), ("r",)),
+            Stage(3, placement[3], ("l", "r"), (MODEL_OUTPUT,)),
+        ),
+        ("x",),
+    )
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_microbatches", [1, 2, 3, 5, 8])
-def test_graph_schedules_are_the_chain_schedules_on_a_chain(num_stages: int,
-                                                             num_microbatches: int) -> None:
+def test_graph_schedules_are_the_chain_schedules_on_a_chain(
+    num_stages: int, num_microbatches: int
+) -> None:
     graph = chain(num_stages)
     for chain_schedule, graph_schedule in ((gpipe, graph_gpipe), (one_f_one_b, graph_1f1b)):
         expected = chain_schedule(graph, num_microbatches)
@@ -86,10 +102,12 @@ def test_graph_schedules_are_the_chain_schedules_on_a_chain(num_stages: int,
 
 
 DAGS = {
-    "towers": towers(), "towers on 2 ranks": towers((0, 1, 1)),
+    "towers": towers(),
+    "towers on 2 ranks": towers((0, 1, 1)),
     "u-net on 4 ranks": unet_levels((0, 1, 2, 3)),
     "u-net V on 2 ranks": unet_levels((0, 1, 1, 0)),
-    "diamond on 4 ranks": diamond((0, 1, 2, 3)), "diamond on 2 ranks": diamond((0, 1, 0, 1)),
+    "diamond on 4 ranks": diamond((0, 1, 2, 3)),
+    "diamond on 2 ranks": diamond((0, 1, 0, 1)),
 }
 
 
@@ -116,8 +134,7 @@ def test_graph_1f1b_bounds_the_micro_batches_each_stage_holds() -> None:
     for rank_actions in program:
         alive: dict[int, int] = {}
         for action in (a for a in rank_actions if a.is_compute):
-            alive[action.stage] = alive.get(action.stage, 0) + (
-                1 if action.kind is Kind.F else -1)
+            alive[action.stage] = alive.get(action.stage, 0) + (1 if action.kind is Kind.F else -1)
             assert alive[action.stage] <= graph.distance_to_sink(action.stage) + 1
 
 
@@ -156,9 +173,15 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def _check(rank: int, model: nn.Module, make: Callable[[nn.Module], conveyor.Pipeline],
-           inputs: Any, targets: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
-           what: str) -> conveyor.Pipeline:
+def _check(
+    rank: int,
+    model: nn.Module,
+    make: Callable[[nn.Module], conveyor.Pipeline],
+    inputs: Any,
+    targets: torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor],
+    what: str,
+) -> conveyor.Pipeline:
     """One pipelined step of a copy of ``model`` against one plain step of another copy."""
     reference = copy.deepcopy(model)
     expected = loss_fn(_call(reference, inputs), targets)
@@ -180,55 +203,139 @@ def _check(rank: int, model: nn.Module, make: Callable[[nn.Module], conveyor.Pip
 def _unet_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = unet(width=4, depth=2).double()  # Down, Down, Bottom, Up, Up, Head
-    (images, masks), = segmentation_batches(4, 8, 1, dtype=torch.float64)
+    ((images, masks),) = segmentation_batches(4, 8, 1, dtype=torch.float64)
     for schedule in GRAPH_SCHEDULES:  # two stages, three skips from stage 0 to stage 1
         for mode in ("never", "always", "except_last"):
-            _check(rank, model, lambda m, s=schedule, c=mode: conveyor.Pipeline(
-                m, balance=[3, 3], schedule=s, checkpoint=c, num_microbatches=4,
-                loss_fn=segmentation_loss), images, masks, segmentation_loss,
-                f"u-net {schedule} {mode}")
+            _check(
+                rank,
+                model,
+                lambda m, s=schedule, c=mode: conveyor.Pipeline(
+                    m,
+                    balance=[3, 3],
+                    schedule=s,
+                    checkpoint=c,
+                    num_microbatches=4,
+                    loss_fn=segmentation_loss,
+                ),
+                images,
+                masks,
+                segmentation_loss,
+                f"u-net {schedule} {mode}",
+            )
     # encoder and decoder level on one rank: skips stay local; skip 1 jumps two stages
     for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):
         for mode in ("never", "always"):
-            _check(rank, model, lambda m, s=schedule, c=mode: conveyor.Pipeline(
-                m, balance=[1, 2, 2, 1], placement=(0, 1, 1, 0), schedule=s, checkpoint=c,
-                num_microbatches=3, loss_fn=segmentation_loss), images, masks,
-                segmentation_loss, f"u-net V {schedule} {mode}")
+            _check(
+                rank,
+                model,
+                lambda m, s=schedule, c=mode: conveyor.Pipeline(
+                    m,
+                    balance=[1, 2, 2, 1],
+                    placement=(0, 1, 1, 0),
+                    schedule=s,
+                    checkpoint=c,
+                    num_microbatches=3,
+                    loss_fn=segmentation_loss,
+                ),
+                images,
+                masks,
+                segmentation_loss,
+                f"u-net V {schedule} {mode}",
+            )
 
 
 def _branches_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    towers_model = two_tower(vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dim=8,
-                             text_layers=2, image_layers=1, num_heads=2).double()
-    (inputs, labels), = multimodal_batches(6, 1, vocab_size=16, seq_len=6, num_patches=4,
-                                           patch_dim=6, dtype=torch.float64)
+    towers_model = two_tower(
+        vocab_size=16,
+        seq_len=6,
+        num_patches=4,
+        patch_dim=6,
+        dim=8,
+        text_layers=2,
+        image_layers=1,
+        num_heads=2,
+    ).double()
+    ((inputs, labels),) = multimodal_batches(
+        6, 1, vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dtype=torch.float64
+    )
     for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):  # tower B and the head share rank 1
         for mode in ("never", "except_last"):
-            _check(rank, towers_model, lambda m, s=schedule, c=mode: conveyor.Pipeline(
-                m, stage_modules=("text", "image", "head"), placement=(0, 1, 1), schedule=s,
-                checkpoint=c, num_microbatches=3, loss_fn=classification_loss),
-                inputs, labels, classification_loss, f"two-tower {schedule} {mode}")
-    recommender = dlrm(num_dense=5, num_tables=3, table_size=20, dim=4, bottom=(8,),
-                       top=(8,)).double()
-    (batch, clicks), = click_batches(8, 1, num_dense=5, num_tables=3, table_size=20, bag=2,
-                                     dtype=torch.float64)
+            _check(
+                rank,
+                towers_model,
+                lambda m, s=schedule, c=mode: conveyor.Pipeline(
+                    m,
+                    stage_modules=("text", "image", "head"),
+                    placement=(0, 1, 1),
+                    schedule=s,
+                    checkpoint=c,
+                    num_microbatches=3,
+                    loss_fn=classification_loss,
+                ),
+                inputs,
+                labels,
+                classification_loss,
+                f"two-tower {schedule} {mode}",
+            )
+    recommender = dlrm(
+        num_dense=5, num_tables=3, table_size=20, dim=4, bottom=(8,), top=(8,)
+    ).double()
+    ((batch, clicks),) = click_batches(
+        8, 1, num_dense=5, num_tables=3, table_size=20, bag=2, dtype=torch.float64
+    )
     for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):  # bottom and top MLP on rank 0
         for mode in ("never", "always"):
-            _check(rank, recommender, lambda m, s=schedule, c=mode: conveyor.Pipeline(
-                m, stage_modules=("bottom", "embeddings", "top"), placement=(0, 1, 0),
-                schedule=s, checkpoint=c, num_microbatches=4, loss_fn=click_loss),
-                batch, clicks, click_loss, f"dlrm {schedule} {mode}")
+            _check(
+                rank,
+                recommender,
+                lambda m, s=schedule, c=mode: conveyor.Pipeline(
+                    m,
+                    stage_modules=("bottom", "embeddings", "top"),
+                    placement=(0, 1, 0),
+                    schedule=s,
+                    checkpoint=c,
+                    num_microbatches=4,
+                    loss_fn=click_loss,
+                ),
+                batch,
+                clicks,
+                click_loss,
+                f"dlrm {schedule} {mode}",
+            )
     for schedule in GRAPH_SCHEDULES:  # whatever the automatic split chooses
-        _check(rank, recommender, lambda m, s=schedule: conveyor.Pipeline(
-            m, auto_split=True, example_inputs=batch, schedule=s, num_microbatches=4,
-            loss_fn=click_loss), batch, clicks, click_loss, f"dlrm auto {schedule}")
+        _check(
+            rank,
+            recommender,
+            lambda m, s=schedule: conveyor.Pipeline(
+                m,
+                auto_split=True,
+                example_inputs=batch,
+                schedule=s,
+                num_microbatches=4,
+                loss_fn=click_loss,
+            ),
+            batch,
+            clicks,
+            click_loss,
+            f"dlrm auto {schedule}",
+        )
     # a language model with tied embeddings: auto_split cuts between the two users
-    lm = gpt(vocab_size=16, seq_len=6, dim=8, num_layers=2, num_heads=2, dropout=0.0,
-             tie_embeddings=True).double()
+    lm = gpt(
+        vocab_size=16, seq_len=6, dim=8, num_layers=2, num_heads=2, dropout=0.0, tie_embeddings=True
+    ).double()
     ids, next_ids = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
-    pipe = _check(rank, lm, lambda m: conveyor.Pipeline(
-        m, auto_split=True, leaf_modules=("Block",), num_microbatches=2, loss_fn=gpt_loss),
-        ids, next_ids, gpt_loss, "tied gpt auto")
+    pipe = _check(
+        rank,
+        lm,
+        lambda m: conveyor.Pipeline(
+            m, auto_split=True, leaf_modules=("Block",), num_microbatches=2, loss_fn=gpt_loss
+        ),
+        ids,
+        next_ids,
+        gpt_loss,
+        "tied gpt auto",
+    )
     assert pipe.graph.num_stages == 2
 
 
@@ -272,25 +379,45 @@ def _summing_worker(rank: int, world_size: int) -> None:
     x, target = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):
         for mode in ("never", "always"):
-            _check(rank, model, lambda m, s=schedule, c=mode: conveyor.Pipeline(
-                m, stage_modules=("stem", "left", "right", "join"), placement=(0, 1, 0, 1),
-                schedule=s, checkpoint=c, num_microbatches=3, loss_fn=_mse),
-                x, target, _mse, f"diamond {schedule} {mode}")
+            _check(
+                rank,
+                model,
+                lambda m, s=schedule, c=mode: conveyor.Pipeline(
+                    m,
+                    stage_modules=("stem", "left", "right", "join"),
+                    placement=(0, 1, 0, 1),
+                    schedule=s,
+                    checkpoint=c,
+                    num_microbatches=3,
+                    loss_fn=_mse,
+                ),
+                x,
+                target,
+                _mse,
+                f"diamond {schedule} {mode}",
+            )
     # dropout: the same masks whatever the schedule or recomputation; each branch its own
     twins = TwinDropout().double()
     x, target = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
     losses, grads = [], []
     for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):
         for mode in ("never", "always", "except_last"):
-            pipe = conveyor.Pipeline(copy.deepcopy(twins), stage_modules=("a", "b", "head"),
-                                     placement=(0, 1, 1), schedule=schedule, checkpoint=mode,
-                                     num_microbatches=4, loss_fn=_mse)
+            pipe = conveyor.Pipeline(
+                copy.deepcopy(twins),
+                stage_modules=("a", "b", "head"),
+                placement=(0, 1, 1),
+                schedule=schedule,
+                checkpoint=mode,
+                num_microbatches=4,
+                loss_fn=_mse,
+            )
             losses.append(pipe.step(x, target))
             grads.append([p.grad.clone() for _, p in pipe.named_parameters()])
             output = pipe.forward(x)
             if output is not None:  # identical weights: only the masks tell the halves apart
-                assert not torch.equal(output[:, :8], output[:, 8:]), \
+                assert not torch.equal(output[:, :8], output[:, 8:]), (
                     "both branches drew the same dropout masks"
+                )
     for loss, grad in zip(losses[1:], grads[1:], strict=True):
         if loss is not None:
             torch.testing.assert_close(loss, losses[0], rtol=0, atol=0)
@@ -300,27 +427,59 @@ def _summing_worker(rank: int, world_size: int) -> None:
 
 def _three_rank_worker(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    model = two_tower(vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dim=8,
-                      text_layers=2, image_layers=1, num_heads=2).double()
-    (inputs, labels), = multimodal_batches(6, 1, vocab_size=16, seq_len=6, num_patches=4,
-                                           patch_dim=6, dtype=torch.float64)
+    model = two_tower(
+        vocab_size=16,
+        seq_len=6,
+        num_patches=4,
+        patch_dim=6,
+        dim=8,
+        text_layers=2,
+        image_layers=1,
+        num_heads=2,
+    ).double()
+    ((inputs, labels),) = multimodal_batches(
+        6, 1, vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dtype=torch.float64
+    )
     for schedule in GRAPH_SCHEDULES:  # text | image | head: the towers run side by side
         for mode in ("never", "always", "except_last"):
-            _check(rank, model, lambda m, s=schedule, c=mode: conveyor.Pipeline(
-                m, stage_modules=("text", "image", "head"), schedule=s, checkpoint=c,
-                num_microbatches=3, loss_fn=classification_loss),
-                inputs, labels, classification_loss, f"two-tower 3 ranks {schedule} {mode}")
+            _check(
+                rank,
+                model,
+                lambda m, s=schedule, c=mode: conveyor.Pipeline(
+                    m,
+                    stage_modules=("text", "image", "head"),
+                    schedule=s,
+                    checkpoint=c,
+                    num_microbatches=3,
+                    loss_fn=classification_loss,
+                ),
+                inputs,
+                labels,
+                classification_loss,
+                f"two-tower 3 ranks {schedule} {mode}",
+            )
     # U-Net over 3 ranks: rank 1 holds the middle; skips 0 and 1 jump over it
     net = unet(width=4, depth=3).double()
-    (images, masks), = segmentation_batches(4, 8, 1, dtype=torch.float64)
+    ((images, masks),) = segmentation_batches(4, 8, 1, dtype=torch.float64)
     points = balance_to_split_points(net, [3, 2, 3])
     peaks = {}
     for relay in (False, True):
         graph = split_model(copy.deepcopy(net), points, relay_skips=relay)
-        pipe = _check(rank, net, lambda m, g=graph: conveyor.Pipeline(
-            g, schedule="gpipe", num_microbatches=4, loss_fn=segmentation_loss,
-            measure_memory=True),
-            images, masks, segmentation_loss, f"u-net 3 ranks relay={relay}")
+        pipe = _check(
+            rank,
+            net,
+            lambda m, g=graph: conveyor.Pipeline(
+                g,
+                schedule="gpipe",
+                num_microbatches=4,
+                loss_fn=segmentation_loss,
+                measure_memory=True,
+            ),
+            images,
+            masks,
+            segmentation_loss,
+            f"u-net 3 ranks relay={relay}",
+        )
         peaks[relay] = pipe.memory().peak_bytes
     if rank == 1:
         assert peaks[False] < peaks[True], f"direct skips {peaks[False]} B, relayed {peaks[True]} B"
@@ -348,7 +507,7 @@ def test_three_rank_graph_pipelines(tmp_path: Path) -> None:
 
 def test_relayed_graph_matches_the_plain_model_too() -> None:
     model = unet(width=4, depth=2).double()
-    (images, _), = segmentation_batches(2, 8, 1, dtype=torch.float64)
+    ((images, _),) = segmentation_batches(2, 8, 1, dtype=torch.float64)
     graph = split_by_modules(model, [["0"], ["1", "2", "3"], ["4", "5"]], relay_skips=True)
     assert graph.consumers(0) == [1]  # skip 0 travels through stage 1
     torch.testing.assert_close(run_stages(graph, {"input": images}), model(images), rtol=0, atol=0)

@@ -24,8 +24,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _page_faults(mode: str) -> int:
-    done = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True,
-                          text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _FAULTS, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return int(done.stdout.split()[-1])
 
 

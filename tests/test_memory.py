@@ -46,8 +46,11 @@ def test_meter_keeps_a_split_backward_alive_until_w() -> None:
     del weight
     meter.release((0, 0))
     report = meter.report()
-    assert (report.peak_bytes, report.peak_microbatches, report.peak_saved_bytes) == \
-        (3 * ROW, 1, 2 * ROW)
+    assert (report.peak_bytes, report.peak_microbatches, report.peak_saved_bytes) == (
+        3 * ROW,
+        1,
+        2 * ROW,
+    )
     assert meter.held_bytes == 0 and meter.live.bytes == 0
 
 

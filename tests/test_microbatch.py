@@ -9,8 +9,12 @@ from conveyor.runtime import microbatch
 
 
 def test_uneven_split_covers_every_sample_and_merges_back() -> None:
-    batch = {"x": torch.arange(10).view(5, 2), "mask": torch.ones(5, dtype=torch.bool),
-             "scale": 0.5, "table": torch.zeros(3, 3)}
+    batch = {
+        "x": torch.arange(10).view(5, 2),
+        "mask": torch.ones(5, dtype=torch.bool),
+        "scale": 0.5,
+        "table": torch.zeros(3, 3),
+    }
     chunks = microbatch.split(batch, 4)
     assert [c["x"].shape[0] for c in chunks] == [2, 1, 1, 1]
     assert all(c["scale"] == 0.5 and c["table"].shape == (3, 3) for c in chunks)

@@ -24,8 +24,15 @@ from dist import run_ranks
 pytestmark = pytest.mark.dist
 
 # (schedule, stages per rank): every layout each schedule runs
-LAYOUTS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved-1f1b", 1),
-           ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
+LAYOUTS = [
+    ("gpipe", 1),
+    ("gpipe", 2),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("zb-h1", 1),
+    ("zb-v", 2),
+]
 
 
 class Scale(nn.Module):
@@ -63,8 +70,9 @@ def reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> tor
     return total
 
 
-def check_step(pipe: conveyor.Pipeline, plain: nn.Module, x: torch.Tensor, y: torch.Tensor,
-               what: str) -> None:
+def check_step(
+    pipe: conveyor.Pipeline, plain: nn.Module, x: torch.Tensor, y: torch.Tensor, what: str
+) -> None:
     expected = reference(plain, x, y, pipe.config.num_microbatches)
     loss = pipe.step(x, y)
     if pipe.rank == pipe.graph.rank_of(pipe.graph.sink):
@@ -73,8 +81,13 @@ def check_step(pipe: conveyor.Pipeline, plain: nn.Module, x: torch.Tensor, y: to
     grads = dict(plain.named_parameters(remove_duplicate=False))
     for stage in pipe.stages.values():
         for name, param in stage.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(param.grad, grads[name].grad, rtol=0, atol=1e-10,
-                                       msg=lambda text, n=name: f"{what} {n}: {text}")
+            torch.testing.assert_close(
+                param.grad,
+                grads[name].grad,
+                rtol=0,
+                atol=1e-10,
+                msg=lambda text, n=name: f"{what} {n}: {text}",
+            )
 
 
 def _correctness(rank: int, world_size: int, cases: list[tuple[str, int, int, str]]) -> None:
@@ -84,9 +97,15 @@ def _correctness(rank: int, world_size: int, cases: list[tuple[str, int, int, st
         what = f"{schedule} x{per_rank} m={m} checkpoint={checkpoint} on {world_size} ranks:"
         num_stages = per_rank * world_size
         plain = tied_chain(num_stages)
-        pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=balance(num_stages),
-                                 schedule=schedule, num_microbatches=m, checkpoint=checkpoint,
-                                 loss_fn=F.mse_loss, timeout_s=15)
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain),
+            balance=balance(num_stages),
+            schedule=schedule,
+            num_microbatches=m,
+            checkpoint=checkpoint,
+            loss_fn=F.mse_loss,
+            timeout_s=15,
+        )
         assert len(pipe.graph.stages_on(rank)) == per_rank
         ours = torch.optim.SGD(pipe.parameters(), lr=0.5)
         theirs = torch.optim.SGD(plain.parameters(), lr=0.5)
@@ -113,8 +132,12 @@ def test_every_schedule_matches_plain_training_on_2_ranks(tmp_path: Path) -> Non
 
 
 def test_every_schedule_matches_plain_training_on_4_ranks(tmp_path: Path) -> None:
-    grid = [(s, v, m, c) for s, v in LAYOUTS if (s, v) != ("gpipe", 2)
-            for m, c in ((4, "never"), (6, "never"), (5, "always"))]
+    grid = [
+        (s, v, m, c)
+        for s, v in LAYOUTS
+        if (s, v) != ("gpipe", 2)
+        for m, c in ((4, "never"), (6, "never"), (5, "always"))
+    ]
     run_ranks(_correctness, tmp_path, world_size=4, timeout_s=300, cases=grid)
 
 
@@ -126,8 +149,13 @@ def theory(schedule: str, p: int, v: int, m: int, rank: int) -> int:
     (tests/test_schedules.py checks the programs against the same formulas)."""
     below = p - 1 - rank
     warmup = below if v == 1 else (v - 1) * rounds(m, p)[0] + 2 * below
-    return {"gpipe": v * m, "1f1b": min(m, p - rank), "interleaved-1f1b": min(v * m, warmup + 1),
-            "zb-h1": min(m, p), "zb-v": min(2 * p, 2 * m, m + 1 + rank)}[schedule]
+    return {
+        "gpipe": v * m,
+        "1f1b": min(m, p - rank),
+        "interleaved-1f1b": min(v * m, warmup + 1),
+        "zb-h1": min(m, p),
+        "zb-v": min(2 * p, 2 * m, m + 1 + rank),
+    }[schedule]
 
 
 def storage_peak(program: Program, graph: StageGraph, rank: int) -> int:
@@ -154,15 +182,20 @@ def _memory(rank: int, world_size: int, microbatches: list[int]) -> None:
     for schedule, per_rank in LAYOUTS:
         for m in microbatches:
             num_stages = per_rank * world_size
-            pipe = conveyor.Pipeline(tied_chain(num_stages), balance=balance(num_stages),
-                                     schedule=schedule, num_microbatches=m, loss_fn=F.mse_loss,
-                                     timeout_s=15, measure_memory=True)
+            pipe = conveyor.Pipeline(
+                tied_chain(num_stages),
+                balance=balance(num_stages),
+                schedule=schedule,
+                num_microbatches=m,
+                loss_fn=F.mse_loss,
+                timeout_s=15,
+                measure_memory=True,
+            )
             x = torch.randn(batch_per_microbatch * m, 8, dtype=torch.float64)
             pipe.step(x, torch.randn_like(x))
             report = pipe.memory()
             what = f"{schedule} x{per_rank} m={m} rank {rank}"
-            assert report.peak_microbatches == theory(schedule, world_size, per_rank, m,
-                                                      rank), what
+            assert report.peak_microbatches == theory(schedule, world_size, per_rank, m, rank), what
             storage = batch_per_microbatch * 8 * 8  # one (3, 8) float64 tensor
             expected = storage_peak(pipe.program, pipe.graph, rank) * storage
             assert report.peak_bytes == expected, f"{what}: {report.peak_bytes} != {expected}"
@@ -171,8 +204,7 @@ def _memory(rank: int, world_size: int, microbatches: list[int]) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_peak_activation_memory_matches_theory(tmp_path: Path, world_size: int) -> None:
     microbatches = [1, 3, 4, 7] if world_size == 2 else [3, 8]
-    run_ranks(_memory, tmp_path, world_size=world_size, timeout_s=240,
-              microbatches=microbatches)
+    run_ranks(_memory, tmp_path, world_size=world_size, timeout_s=240, microbatches=microbatches)
 
 
 # -- the demo's GPT with tied embeddings, float32 -----------------------------------------
@@ -183,8 +215,13 @@ def _gpt(rank: int, world_size: int) -> None:
     for schedule in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
         torch.manual_seed(0)
         plain = gpt(seq_len=16, dim=32, num_layers=4, dropout=0.0, tie_embeddings=True)
-        pipe = conveyor.Pipeline(copy.deepcopy(plain), schedule=schedule, num_microbatches=4,
-                                 loss_fn=gpt_loss, timeout_s=20)
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain),
+            schedule=schedule,
+            num_microbatches=4,
+            loss_fn=gpt_loss,
+            timeout_s=20,
+        )
         assert len(pipe.ties.params) == (0 if schedule == "zb-v" else 1)  # V: one rank
         loss = pipe.step(x, y)
         total = torch.zeros(())
@@ -197,8 +234,9 @@ def _gpt(rank: int, world_size: int) -> None:
         grads = dict(plain.named_parameters(remove_duplicate=False))
         for stage in pipe.stages.values():
             for name, param in stage.named_parameters(remove_duplicate=False):
-                torch.testing.assert_close(param.grad, grads[name].grad,
-                                           msg=lambda t, n=name, s=schedule: f"{s} {n}: {t}")
+                torch.testing.assert_close(
+                    param.grad, grads[name].grad, msg=lambda t, n=name, s=schedule: f"{s} {n}: {t}"
+                )
 
 
 def test_gpt_with_tied_embeddings(tmp_path: Path) -> None:
@@ -213,14 +251,24 @@ def _declared(rank: int, world_size: int) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
     plain = copy.deepcopy(model)
     plain[2].weight = plain[0].weight  # what the declaration means
-    pipe = conveyor.Pipeline(model, balance=[2, 1], tie_weights=("0.weight,2.weight",),
-                             loss_fn=F.mse_loss, num_microbatches=2, schedule="zb-h1")
+    pipe = conveyor.Pipeline(
+        model,
+        balance=[2, 1],
+        tie_weights=("0.weight,2.weight",),
+        loss_fn=F.mse_loss,
+        num_microbatches=2,
+        schedule="zb-h1",
+    )
     x = torch.randn(6, 4, dtype=torch.float64)
     y = torch.randn(6, 4, dtype=torch.float64)
     check_step(pipe, plain, x, y, "declared tie:")  # rank 1 took rank 0's value at start
     with pytest.raises(ValueError, match="which no stage holds"):
-        conveyor.Pipeline(copy.deepcopy(model), balance=[2, 1], loss_fn=F.mse_loss,
-                          tie_weights=("0.weight,9.weight",))
+        conveyor.Pipeline(
+            copy.deepcopy(model),
+            balance=[2, 1],
+            loss_fn=F.mse_loss,
+            tie_weights=("0.weight,9.weight",),
+        )
 
 
 def test_declared_ties(tmp_path: Path) -> None:
@@ -239,10 +287,17 @@ def _custom(rank: int, world_size: int, path: str) -> None:
     y = torch.randn(9, 8, dtype=torch.float64)
     for checkpoint in ("never", "always"):
         plain = tied_chain(2)
-        pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=balance(2), schedule=path,
-                                 num_microbatches=3, checkpoint=checkpoint, loss_fn=F.mse_loss)
-        assert [str(a) for a in pipe.program.compute_only()[rank]] == \
-            CUSTOM.strip().splitlines()[1 + rank].split(": ")[1].split()
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain),
+            balance=balance(2),
+            schedule=path,
+            num_microbatches=3,
+            checkpoint=checkpoint,
+            loss_fn=F.mse_loss,
+        )
+        assert [str(a) for a in pipe.program.compute_only()[rank]] == CUSTOM.strip().splitlines()[
+            1 + rank
+        ].split(": ")[1].split()
         check_step(pipe, plain, x, y, f"custom schedule from {path}, {checkpoint}:")
 
 
@@ -254,28 +309,43 @@ def test_custom_schedule_file_trains_like_plain(tmp_path: Path) -> None:
 
 def batch_norm_model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6),
-                         nn.BatchNorm1d(6), nn.Linear(6, 2)).double()
+    return nn.Sequential(
+        nn.Linear(4, 6),
+        nn.BatchNorm1d(6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Linear(6, 2),
+    ).double()
 
 
 def _batch_norm(rank: int, world_size: int) -> None:
     x = torch.randn(12, 4, dtype=torch.float64)
     y = torch.randn(12, 2, dtype=torch.float64)
     m = 3
-    for schedule, checkpoint in (("1f1b", "never"), ("zb-h1", "always"),
-                                 ("gpipe", "except_last")):
+    for schedule, checkpoint in (("1f1b", "never"), ("zb-h1", "always"), ("gpipe", "except_last")):
         plain = batch_norm_model()
         # plain BatchNorm layers fed, as one mini-batch, what each layer sees in the pipeline
-        whole = {name: copy.deepcopy(module) for name, module in plain.named_modules()
-                 if isinstance(module, nn.BatchNorm1d)}
+        whole = {
+            name: copy.deepcopy(module)
+            for name, module in plain.named_modules()
+            if isinstance(module, nn.BatchNorm1d)
+        }
         micro = DeferredBatchNorm.convert(copy.deepcopy(plain), m)
         seen: dict[str, list[torch.Tensor]] = {name: [] for name in whole}
         for name in whole:
             micro.get_submodule(name).register_forward_pre_hook(
-                lambda _, args, inputs=seen[name]: inputs.append(args[0].detach()))
-        pipe = conveyor.Pipeline(copy.deepcopy(plain), balance=[3, 3], schedule=schedule,
-                                 num_microbatches=m, checkpoint=checkpoint,
-                                 deferred_batch_norm=True, loss_fn=F.mse_loss)
+                lambda _, args, inputs=seen[name]: inputs.append(args[0].detach())
+            )
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain),
+            balance=[3, 3],
+            schedule=schedule,
+            num_microbatches=m,
+            checkpoint=checkpoint,
+            deferred_batch_norm=True,
+            loss_fn=F.mse_loss,
+        )
         for _ in range(2):
             check_step(pipe, micro, x, y, f"deferred batch norm, {schedule}:")
             state = pipe.state_dict()
@@ -284,8 +354,13 @@ def _batch_norm(rank: int, world_size: int) -> None:
                 seen[name].clear()
                 for key, value in module.state_dict().items():
                     if f"{name}.{key}" in state and key != "weight" and key != "bias":
-                        torch.testing.assert_close(state[f"{name}.{key}"], value, rtol=0,
-                                                   atol=1e-12, msg=f"{schedule} {name}.{key}")
+                        torch.testing.assert_close(
+                            state[f"{name}.{key}"],
+                            value,
+                            rtol=0,
+                            atol=1e-12,
+                            msg=f"{schedule} {name}.{key}",
+                        )
 
 
 def test_deferred_batch_norm(tmp_path: Path) -> None:
@@ -301,8 +376,14 @@ def _layout_errors(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="makes 6 stages, but the split has 4"):
         conveyor.Pipeline(model, balance=balance(4), virtual_stages=3, loss_fn=F.mse_loss)
     with pytest.raises(ValueError, match="placed in a V"):
-        conveyor.Pipeline(tied_chain(4), balance=balance(4), schedule="zb-v",
-                          placement_style="loop", loss_fn=F.mse_loss)
-    pipe: Any = conveyor.Pipeline(tied_chain(6), virtual_stages=3, placement_style="v",
-                                  schedule="gpipe", loss_fn=F.mse_loss)
+        conveyor.Pipeline(
+            tied_chain(4),
+            balance=balance(4),
+            schedule="zb-v",
+            placement_style="loop",
+            loss_fn=F.mse_loss,
+        )
+    pipe: Any = conveyor.Pipeline(
+        tied_chain(6), virtual_stages=3, placement_style="v", schedule="gpipe", loss_fn=F.mse_loss
+    )
     assert [pipe.graph.rank_of(s) for s in range(6)] == [0, 1, 1, 0, 0, 1]

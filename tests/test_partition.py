@@ -48,8 +48,9 @@ def test_stages_start_where_one_value_crosses_when_there_are_enough_such_places(
     # block's fc would send two values (its input and norm's output), before a norm one
     inputs = [(-1,), (0,), (1,), (0, 2), (3,), (4,), (3, 5)]
     targets = ["embed", "0.norm", "0.fc", "", "1.norm", "1.fc", ""]
-    units = tuple(Unit(f"u{i}", t, ins, 0, 0)
-                  for i, (t, ins) in enumerate(zip(targets, inputs, strict=True)))
+    units = tuple(
+        Unit(f"u{i}", t, ins, 0, 0) for i, (t, ins) in enumerate(zip(targets, inputs, strict=True))
+    )
     stats = tuple(UnitStats(1, 2, 1, 1, 0, 8, (False,) * len(ins), False, 8) for ins in inputs)
     profile = Profile("residual", units, {1: stats}, {1: (0.0, 0.0)}, 8)
     assert list(cut_points(profile, 1)) == [True, True, False, False, True, False, False, False]

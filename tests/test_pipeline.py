@@ -31,8 +31,9 @@ def tiny(depth: int = 8, width: int = 8, dropout: float = 0.2) -> nn.Sequential:
     return nn.Sequential(*layers).double()
 
 
-def reference(model: nn.Module, x: Any, y: torch.Tensor, num_microbatches: int,
-              loss_fn: Any, step: int = 0) -> torch.Tensor:
+def reference(
+    model: nn.Module, x: Any, y: torch.Tensor, num_microbatches: int, loss_fn: Any, step: int = 0
+) -> torch.Tensor:
     """Plain training of ``model`` on one process: micro-batch k seeded as conveyor seeds it,
     losses weighted by their share of the batch, gradients accumulated."""
     total = torch.zeros(())
@@ -45,8 +46,15 @@ def reference(model: nn.Module, x: Any, y: torch.Tensor, num_microbatches: int,
     return total
 
 
-def check_step(pipe: conveyor.Pipeline, plain: nn.Module, x: Any, y: torch.Tensor,
-               loss_fn: Any, atol: float | None, step: int = 0) -> None:
+def check_step(
+    pipe: conveyor.Pipeline,
+    plain: nn.Module,
+    x: Any,
+    y: torch.Tensor,
+    loss_fn: Any,
+    atol: float | None,
+    step: int = 0,
+) -> None:
     expected = reference(plain, x, y, pipe.config.num_microbatches, loss_fn, step)
     loss = pipe.step(x, y)
     tolerance: dict[str, float] = {} if atol is None else {"rtol": 0.0, "atol": atol}
@@ -59,8 +67,12 @@ def check_step(pipe: conveyor.Pipeline, plain: nn.Module, x: Any, y: torch.Tenso
     names = [name for name, _ in pipe.named_parameters()]
     assert names, "every rank holds parameters"
     for name, parameter in pipe.named_parameters():
-        torch.testing.assert_close(parameter.grad, reference_grads[name].grad, **tolerance,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            parameter.grad,
+            reference_grads[name].grad,
+            **tolerance,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
 
 
 def _equivalence(rank: int, world_size: int, depth: int) -> None:
@@ -71,9 +83,14 @@ def _equivalence(rank: int, world_size: int, depth: int) -> None:
             for m in (1, 2, 3, 8):
                 for checkpoint in ("never", "except_last", "always"):
                     model = tiny(depth).to(dtype)
-                    pipe = conveyor.Pipeline(copy.deepcopy(model), num_microbatches=m,
-                                             schedule=schedule, checkpoint=checkpoint,
-                                             loss_fn=F.mse_loss, timeout_s=15)
+                    pipe = conveyor.Pipeline(
+                        copy.deepcopy(model),
+                        num_microbatches=m,
+                        schedule=schedule,
+                        checkpoint=checkpoint,
+                        loss_fn=F.mse_loss,
+                        timeout_s=15,
+                    )
                     check_step(pipe, model, x, y, F.mse_loss, atol=atol)
 
 
@@ -86,8 +103,9 @@ def _gpt_curve(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = gpt(seq_len=16, dim=32, num_layers=2, dropout=0.1)
     plain = copy.deepcopy(model)
-    pipe = conveyor.Pipeline(model, num_microbatches=4, schedule="1f1b", loss_fn=gpt_loss,
-                             timeout_s=15)
+    pipe = conveyor.Pipeline(
+        model, num_microbatches=4, schedule="1f1b", loss_fn=gpt_loss, timeout_s=15
+    )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     names = dict(pipe.named_parameters())
@@ -140,8 +158,9 @@ def _pytrees(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = Tower().double()
     plain = copy.deepcopy(model)
-    pipe = conveyor.Pipeline(model, split_points=["body"], num_microbatches=3,
-                             loss_fn=tower_loss, timeout_s=15)
+    pipe = conveyor.Pipeline(
+        model, split_points=["body"], num_microbatches=3, loss_fn=tower_loss, timeout_s=15
+    )
     for step, seq in enumerate((5, 7, 5)):  # variable sequence length, and back
         ids = torch.randint(0, 10, (7, seq))
         mask = torch.rand(7, seq) > 0.3
@@ -149,8 +168,14 @@ def _pytrees(rank: int, world_size: int) -> None:
         inputs = {"ids": ids, "mask": mask, "scale": 0.5}
 
         expected = torch.zeros((), dtype=torch.float64)
-        for k, (ik, mk, yk) in enumerate(zip(torch.tensor_split(ids, 3), torch.tensor_split(
-                mask, 3), torch.tensor_split(y, 3), strict=True)):
+        for k, (ik, mk, yk) in enumerate(
+            zip(
+                torch.tensor_split(ids, 3),
+                torch.tensor_split(mask, 3),
+                torch.tensor_split(y, 3),
+                strict=True,
+            )
+        ):
             torch.manual_seed(conveyor.microbatch_seed(0, step, k))
             loss = tower_loss(plain(ik, mk, 0.5), yk) * (len(ik) / 7)
             loss.backward()

@@ -21,9 +21,24 @@ from dist import run_ranks
 def _profile(forward: list[float], saved: int = 1000, params: int = 100) -> Profile:
     n = len(forward)
     units = tuple(Unit(f"u{i}", str(i), (i - 1,), params, params) for i in range(n))
-    stats = {size: tuple(UnitStats(f * size, 2 * f * size, f * size, f * size,
-                                   saved * size, 10 * size, (True,), False, 10 * size, 10)
-                         for f in forward) for size in (1, 2, 4, 8)}
+    stats = {
+        size: tuple(
+            UnitStats(
+                f * size,
+                2 * f * size,
+                f * size,
+                f * size,
+                saved * size,
+                10 * size,
+                (True,),
+                False,
+                10 * size,
+                10,
+            )
+            for f in forward
+        )
+        for size in (1, 2, 4, 8)
+    }
     return Profile("synthetic", units, stats, {s: (0.0, 0.0) for s in stats}, 8)
 
 
@@ -32,8 +47,11 @@ def test_an_unbalanced_model_gets_an_uneven_split_that_beats_the_even_one() -> N
     report = plan(None, 2, 1 << 40, 8, profile=profile, schedules=["1f1b"])
     best = report.best
     assert best.balance == (1, 8) and best.fits
-    even = [p for p in report.plans if p.balanced_by == "even" and p.num_microbatches ==
-            best.num_microbatches]
+    even = [
+        p
+        for p in report.plans
+        if p.balanced_by == "even" and p.num_microbatches == best.num_microbatches
+    ]
     assert even and min(p.step_time for p in even) > 1.2 * best.step_time
 
 
@@ -42,8 +60,9 @@ def test_every_schedule_is_planned_or_said_why_not() -> None:
     planned = {p.schedule for p in report.plans}
     skipped = {note.split(" with ")[0] for note in report.notes}
     assert planned | skipped == set(SCHEDULES)
-    assert report.plans == sorted(report.plans, key=lambda p: (not p.fits, p.step_time,
-                                                              max(p.total_memory)))
+    assert report.plans == sorted(
+        report.plans, key=lambda p: (not p.fits, p.step_time, max(p.total_memory))
+    )
 
 
 def test_plans_over_the_budget_are_never_recommended() -> None:
@@ -56,9 +75,17 @@ def test_plans_over_the_budget_are_never_recommended() -> None:
         assert p.fits == (max(p.total_memory) <= budget)
     assert report.best.fits and max(report.best.total_memory) <= budget
     assert report.best.step_time >= unlimited.best.step_time
-    assert (report.best.schedule, report.best.num_microbatches, report.best.stage_units,
-            report.best.checkpoint) != (unlimited.best.schedule, unlimited.best.num_microbatches,
-                                        unlimited.best.stage_units, unlimited.best.checkpoint)
+    assert (
+        report.best.schedule,
+        report.best.num_microbatches,
+        report.best.stage_units,
+        report.best.checkpoint,
+    ) != (
+        unlimited.best.schedule,
+        unlimited.best.num_microbatches,
+        unlimited.best.stage_units,
+        unlimited.best.checkpoint,
+    )
 
 
 def test_a_tight_budget_turns_on_checkpointing_and_too_tight_a_budget_says_what_is_needed() -> None:
@@ -68,10 +95,12 @@ def test_a_tight_budget_turns_on_checkpointing_and_too_tight_a_budget_says_what_
     smallest = min(max(p.total_memory) for p in free.plans)
     tight = plan(None, 2, smallest, 8, profile=profile, schedules=["gpipe"], microbatches=[8])
     assert tight.best.fits and "never" not in set(tight.best.checkpoint)
-    hopeless = plan(None, 2, smallest - 1, 8, profile=profile, schedules=["gpipe"],
-                    microbatches=[8])
-    with pytest.raises(ValueError, match=f"smallest memory any plan needs is "
-                                         f"{smallest / 2**20:.1f} MiB"):
+    hopeless = plan(
+        None, 2, smallest - 1, 8, profile=profile, schedules=["gpipe"], microbatches=[8]
+    )
+    with pytest.raises(
+        ValueError, match=f"smallest memory any plan needs is {smallest / 2**20:.1f} MiB"
+    ):
         _ = hopeless.best
 
 
@@ -99,8 +128,14 @@ def test_workloads_load_by_example_name_or_import_path() -> None:
 
 def test_a_plan_of_an_sequentials_own_layers_is_a_balance() -> None:
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(5))).double()
-    report = plan(Workload("linear", model, _batch, _loss), 2, 1 << 30, 4, microbatches=[2],
-                  schedules=["1f1b"])
+    report = plan(
+        Workload("linear", model, _batch, _loss),
+        2,
+        1 << 30,
+        4,
+        microbatches=[2],
+        schedules=["1f1b"],
+    )
     fields = report.pipeline_config()
     assert fields["balance"] == list(report.best.balance) and "split_points" not in fields
     assert (fields["schedule"], fields["num_microbatches"]) == ("1f1b", 2)
@@ -122,8 +157,10 @@ def _model() -> nn.Sequential:
 
 def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(size)
-    return (torch.randn(size, 8, generator=generator, dtype=torch.float64),
-            torch.randn(size, 8, generator=generator, dtype=torch.float64))
+    return (
+        torch.randn(size, 8, generator=generator, dtype=torch.float64),
+        torch.randn(size, 8, generator=generator, dtype=torch.float64),
+    )
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -160,8 +197,9 @@ def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: P
     assert data["prediction"]["step_time_s"] == report.best.step_time
     assert read_plan(path)["schedule"] == report.best.schedule
     run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))
-    checkpointed = report.pipeline_config(next(
-        (p for p in report.plans if "always" in p.checkpoint), report.best))
+    checkpointed = report.pipeline_config(
+        next((p for p in report.plans if "always" in p.checkpoint), report.best)
+    )
     path.write_text(json.dumps({"pipeline": checkpointed}))
     run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))
 
@@ -169,17 +207,35 @@ def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: P
 # -- the command line --------------------------------------------------------------------------
 
 
-def test_plan_command_prints_plans_and_writes_the_best(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_prints_plans_and_writes_the_best(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from conveyor.cli import main
 
     saved = tmp_path / "profile.json"
     report = plan(Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, microbatches=[2, 4])
     report.profile.save(saved)
     out_file = tmp_path / "plan.json"
-    argv = ["plan", "--model", "test_plan:_factory", "--ranks", "2", "--memory", "1GiB",
-            "--batch-size", "8", "--microbatches", "2", "4", "--profile", str(saved),
-            "--out", str(out_file), "--top", "3"]
+    argv = [
+        "plan",
+        "--model",
+        "test_plan:_factory",
+        "--ranks",
+        "2",
+        "--memory",
+        "1GiB",
+        "--batch-size",
+        "8",
+        "--microbatches",
+        "2",
+        "4",
+        "--profile",
+        str(saved),
+        "--out",
+        str(out_file),
+        "--top",
+        "3",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "plans simulated" in out and "best:" in out and len(out.splitlines()) >= 5
@@ -203,17 +259,34 @@ def test_a_graph_model_gets_its_branches_on_separate_ranks() -> None:
     # forward runs a1, b1, a2, b2, head(a2, b2): two branches interleaved in forward order
     inputs = {"a1": (-1,), "b1": (-2,), "a2": (0,), "b2": (1,), "head": (2, 3)}
     units = tuple(Unit(name, name, ins, 100, 100) for name, ins in inputs.items())
-    stats = {size: tuple(UnitStats(0.2 if u.name == "head" else 1.0 * size, 2.0 * size, 1.0,
-                                   1.0, 10, 10, (True,) * len(u.inputs), False, 10, 10)
-                         for u in units) for size in (1, 2, 4)}
+    stats = {
+        size: tuple(
+            UnitStats(
+                0.2 if u.name == "head" else 1.0 * size,
+                2.0 * size,
+                1.0,
+                1.0,
+                10,
+                10,
+                (True,) * len(u.inputs),
+                False,
+                10,
+                10,
+            )
+            for u in units
+        )
+        for size in (1, 2, 4)
+    }
     profile = Profile("towers", units, stats, {s: (0.0, 0.0) for s in stats}, 16, (8, 8))
-    report = plan(None, 3, 1 << 40, 8, profile=profile, schedules=["1f1b", "gpipe"],
-                  microbatches=[4])
+    report = plan(
+        None, 3, 1 << 40, 8, profile=profile, schedules=["1f1b", "gpipe"], microbatches=[4]
+    )
     assert report.best.stage_units[0] == (0, 2)  # branch a whole on rank 0, b beside it
     modules = report.pipeline_config()["stage_modules"]
     assert modules[0] == "a1,a2" and "b1" in modules[1]
-    in_forward_order = [p for p in report.plans
-                        if [u for units in p.stage_units for u in units] == list(range(5))]
+    in_forward_order = [
+        p for p in report.plans if [u for units in p.stage_units for u in units] == list(range(5))
+    ]
     assert in_forward_order
     assert min(p.step_time for p in in_forward_order) > report.best.step_time
 
@@ -222,11 +295,12 @@ def test_a_graph_model_gets_its_branches_on_separate_ranks() -> None:
 def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run() -> None:
     from conveyor.planner import profile_local
 
-    profile = profile_local("test_plan:_factory", [2, 4], depth=1, batch_size=8,
-                            microbatch_counts=[2, 4], timeout_s=240)
+    profile = profile_local(
+        "test_plan:_factory", [2, 4], depth=1, batch_size=8, microbatch_counts=[2, 4], timeout_s=240
+    )
     assert profile.link is not None and profile.overheads.forward > 0
     assert sorted(profile.stats) == [2, 4] and profile.num_units == 12
-    assert all(forward > 0 and backward > 0 for forward, backward in
-               profile.calibration.values())
-    plan(Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, profile=profile,
-         microbatches=[2, 4])  # the fitted profile still matches its model
+    assert all(forward > 0 and backward > 0 for forward, backward in profile.calibration.values())
+    plan(
+        Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, profile=profile, microbatches=[2, 4]
+    )  # the fitted profile still matches its model

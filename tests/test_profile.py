@@ -1,5 +1,4 @@
-"""The profiler: units of a traced model, what autograd keeps, files, interpolation, and (on
-two gloo ranks) the runtime's overheads and the link."""
+"""The profiler: units of a traced model, what autograd keeps, files, interpolation."""
 
 from __future__ import annotations
 
@@ -16,33 +15,42 @@ from conveyor.planner import (
     Profile,
     UnitStats,
     Workload,
-    measure_link,
-    measure_overheads,
     profile_model,
     trace_units,
 )
-from dist import run_ranks
 
 
 def _model() -> nn.Sequential:
     frozen = nn.Linear(16, 4).double()
     frozen.requires_grad_(False)
-    return nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 16)),
-                         nn.Tanh(), frozen).double()
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 16)), nn.Tanh(), frozen
+    ).double()
 
 
 def _workload(model: nn.Module) -> Workload:
     def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(size, 8, dtype=torch.float64), torch.randn(size, 4, dtype=torch.float64)
+
     return Workload("tiny", model, batch, lambda out, target: ((out - target) ** 2).mean())
 
 
 def test_units_open_nested_sequentials_and_keep_other_modules_whole() -> None:
     _, _, units = trace_units(_model())
-    assert [(u.target, u.inputs) for u in units] == [("0", (-1,)), ("1.0", (0,)), ("1.1", (1,)),
-                                                      ("2", (2,)), ("3", (3,))]
-    assert [u.param_bytes for u in units] == [8 * (8 * 16 + 16), 0, 8 * (16 * 16 + 16), 0,
-                                              8 * (16 * 4 + 4)]
+    assert [(u.target, u.inputs) for u in units] == [
+        ("0", (-1,)),
+        ("1.0", (0,)),
+        ("1.1", (1,)),
+        ("2", (2,)),
+        ("3", (3,)),
+    ]
+    assert [u.param_bytes for u in units] == [
+        8 * (8 * 16 + 16),
+        0,
+        8 * (16 * 16 + 16),
+        0,
+        8 * (16 * 4 + 4),
+    ]
     assert units[4].trainable_bytes == 0 and units[0].trainable_bytes == units[0].param_bytes
 
 
@@ -50,8 +58,18 @@ def test_deeper_units_go_inside_custom_layers() -> None:
     model = nn.Sequential(MLPBlock(4, 8), MLPBlock(4, 8))
     assert [u.target for u in trace_units(model)[2]] == ["0", "1"]
     deeper = trace_units(model, depth=2)[2]
-    assert [u.target for u in deeper] == ["0.norm", "0.fc1", "0.act", "0.fc2", "",
-                                          "1.norm", "1.fc1", "1.act", "1.fc2", ""]
+    assert [u.target for u in deeper] == [
+        "0.norm",
+        "0.fc1",
+        "0.act",
+        "0.fc2",
+        "",
+        "1.norm",
+        "1.fc1",
+        "1.act",
+        "1.fc2",
+        "",
+    ]
     assert deeper[4].inputs == (-1, 3)  # the residual add takes the block input and fc2
 
 
@@ -61,7 +79,11 @@ def test_profile_records_what_autograd_keeps_as_the_meter_counts_it() -> None:
     activation = 5 * 16 * 8  # 5 samples x 16 float64 values
     # nn.Linear keeps its input (the model input here) and nothing else of its own
     assert (linear.saved_bytes, linear.output_bytes, linear.saves_input, linear.saves_output) == (
-        0, activation, (True,), False)
+        0,
+        activation,
+        (True,),
+        False,
+    )
     assert relu.saves_output and not relu.saves_input[0] and relu.saved_bytes == 0
     assert linear2.saves_input == (True,) and tanh.saves_output
     assert frozen.output_bytes == frozen.message_bytes == 5 * 4 * 8
@@ -88,10 +110,27 @@ def test_profiles_round_trip_through_json_and_check_their_model(tmp_path: Path) 
 
 def test_sizes_between_measured_ones_are_interpolated() -> None:
     def stats(value: float) -> tuple[UnitStats, ...]:
-        return (UnitStats(value, 2 * value, value, value, int(100 * value), int(10 * value),
-                          (True,), False, int(10 * value)),)
-    profile = Profile("p", trace_units(nn.Sequential(nn.Linear(2, 2)))[2],
-                      {2: stats(1.0), 6: stats(3.0)}, {2: (1.0, 2.0), 6: (3.0, 6.0)}, 8)
+        return (
+            UnitStats(
+                value,
+                2 * value,
+                value,
+                value,
+                int(100 * value),
+                int(10 * value),
+                (True,),
+                False,
+                int(10 * value),
+            ),
+        )
+
+    profile = Profile(
+        "p",
+        trace_units(nn.Sequential(nn.Linear(2, 2)))[2],
+        {2: stats(1.0), 6: stats(3.0)},
+        {2: (1.0, 2.0), 6: (3.0, 6.0)},
+        8,
+    )
     middle = profile.at(4)[0]
     assert (middle.forward, middle.backward, middle.saved_bytes) == (2.0, 4.0, 200)
     assert profile.at(8)[0].forward == pytest.approx(4.0)  # extrapolated along the line
@@ -102,29 +141,6 @@ def test_sizes_between_measured_ones_are_interpolated() -> None:
 def test_profile_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="positive sample counts"):
         profile_model(_workload(_model()), [0])
-
-
-def _overheads_worker(rank: int, world_size: int, out: str) -> None:
-    overheads = measure_overheads(steps=6)
-    link = measure_link(sizes=(1 << 10, 1 << 18), repeats=3)
-    if rank == 0:
-        Path(out).write_text(repr((overheads, link)))
-
-
-@pytest.mark.dist
-def test_runtime_overheads_and_link_are_measured_on_two_ranks(tmp_path: Path) -> None:
-    out = tmp_path / "measured.txt"
-    run_ranks(_overheads_worker, tmp_path, timeout_s=120, out=str(out))
-    overheads, link = eval(out.read_text(), {"Overheads": Overheads, "Link": Link})
-    assert overheads.forward > 0 and overheads.backward >= 0 and overheads.send > 0
-    assert overheads.recv > 0 and overheads.wait >= 0
-    assert link.latency > 0 and link.bandwidth > 0
-    assert link.transfer(1 << 20) > link.transfer(1 << 10)
-
-
-def test_overheads_need_two_ranks() -> None:
-    with pytest.raises(RuntimeError, match="exactly two ranks"):
-        measure_overheads()
 
 
 def test_identical_layers_are_measured_once_but_a_model_input_is_no_layer_output() -> None:
@@ -140,38 +156,5 @@ def test_identical_layers_are_measured_once_but_a_model_input_is_no_layer_output
 def _workload_8(model: nn.Module) -> Workload:
     def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(size, 8, dtype=torch.float64), torch.randn(size, 8, dtype=torch.float64)
+
     return Workload("linear", model, batch, lambda out, target: ((out - target) ** 2).mean())
-
-
-def test_fit_scales_the_profile_to_a_measured_step() -> None:
-    from conveyor.planner import ProfileCost, fit, layout, predict, split_units
-    from conveyor.schedule import build_program
-    from conveyor.trace import Event, Timeline
-
-    profile = profile_model(_workload(_model()), [2], min_time_s=0.0, min_repeats=1)
-    profile.overheads = Overheads(forward=1e-4, backward=1e-4, send=1e-5, recv=1e-5)
-    graph, units = layout(profile, split_units(profile.num_units, [2, 3]))
-    program = build_program("1f1b", graph, 4)
-    predicted = predict(program, graph, ProfileCost(profile, graph, units, 2, 4)).timeline
-    slower = {"forward": 1.5, "backward": 2.0}  # what the "machine" did to the units' work
-    own = 1e-4  # the runtime's per-action overhead, measured apart: not scaled
-    compute = Timeline(2, [Event(e.rank, e.action, e.start, e.start + own + (e.duration - own) *
-                                 slower[e.kind]) if e.kind in slower else e
-                           for e in predicted.events])
-    measured = compute
-    for _ in range(3):  # calls take 0.1 ms more, plus 2 ms per unit of their peer's busy share
-        busy = [measured.busy_time(r) / measured.step_time for r in range(2)]
-        measured = Timeline(2, [e if e.kind not in ("send", "recv") else
-                                Event(e.rank, e.action, e.start,
-                                      e.end + 1e-4 + 2e-3 * busy[1 - e.rank])
-                                for e in compute.events])
-    fitted = fit(profile, measured, predicted)
-    again = predict(program, graph, ProfileCost(fitted, graph, units, 2, 4)).timeline
-    for kind, factor in slower.items():
-        want = sum(own + (e.duration - own) * factor for e in predicted.events if e.kind == kind)
-        assert sum(e.duration for e in again.events if e.kind == kind) == pytest.approx(want)
-    assert fitted.overheads.busy_call == pytest.approx(2e-3, rel=0.3)
-    assert fitted.overheads.send - profile.overheads.send == pytest.approx(1e-4, abs=1e-4)
-    assert fitted.calibration[2][1] == pytest.approx(profile.calibration[2][1] * 2.0)
-    with pytest.raises(ValueError, match="share no kind of action"):
-        fit(profile, Timeline(2), predicted)

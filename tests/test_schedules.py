@@ -46,26 +46,105 @@ def graph_for(name: str, num_ranks: int, virtual_stages: int = 0) -> StageGraph:
 
 def test_interleaved_literal() -> None:
     program = interleaved_1f1b(chain(4, num_ranks=2), num_microbatches=4)
-    assert compute(program, 0) == ["0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1",
-                                   "2F2", "0B0", "2F3", "0B1", "2B2", "2B3", "0B2", "0B3"]
-    assert compute(program, 1) == ["1F0", "1F1", "3F0", "3B0", "3F1", "3B1", "1F2", "1B0",
-                                   "1F3", "1B1", "3F2", "3B2", "3F3", "3B3", "1B2", "1B3"]
+    assert compute(program, 0) == [
+        "0F0",
+        "0F1",
+        "2F0",
+        "2F1",
+        "0F2",
+        "2B0",
+        "0F3",
+        "2B1",
+        "2F2",
+        "0B0",
+        "2F3",
+        "0B1",
+        "2B2",
+        "2B3",
+        "0B2",
+        "0B3",
+    ]
+    assert compute(program, 1) == [
+        "1F0",
+        "1F1",
+        "3F0",
+        "3B0",
+        "3F1",
+        "3B1",
+        "1F2",
+        "1B0",
+        "1F3",
+        "1B1",
+        "3F2",
+        "3B2",
+        "3F3",
+        "3B3",
+        "1B2",
+        "1B3",
+    ]
 
 
 def test_zb_h1_literal() -> None:
     program = zb_h1(chain(3), num_microbatches=4)
-    assert compute(program, 0) == ["0F0", "0F1", "0F2", "0I0", "0W0", "0F3", "0I1", "0W1",
-                                   "0I2", "0W2", "0I3", "0W3"]
+    assert compute(program, 0) == [
+        "0F0",
+        "0F1",
+        "0F2",
+        "0I0",
+        "0W0",
+        "0F3",
+        "0I1",
+        "0W1",
+        "0I2",
+        "0W2",
+        "0I3",
+        "0W3",
+    ]
     # the last stage holds back its first two W's (its rank index) and runs them at the end
-    assert compute(program, 2) == ["2F0", "2I0", "2F1", "2I1", "2F2", "2I2", "2W2", "2F3",
-                                   "2I3", "2W3", "2W0", "2W1"]
+    assert compute(program, 2) == [
+        "2F0",
+        "2I0",
+        "2F1",
+        "2I1",
+        "2F2",
+        "2I2",
+        "2W2",
+        "2F3",
+        "2I3",
+        "2W3",
+        "2W0",
+        "2W1",
+    ]
 
 
 def test_zb_v_literal() -> None:
     program = zb_v(chain(4, placement=[0, 1, 1, 0]), num_microbatches=4)
     assert compute(program, 0) == [
-        "0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", "3I1", "3W1", "0F3", "0I0", "0W0",
-        "3F2", "3I2", "3W2", "0I1", "0W1", "3F3", "3I3", "3W3", "0I2", "0W2", "0I3", "0W3"]
+        "0F0",
+        "0F1",
+        "0F2",
+        "3F0",
+        "3I0",
+        "3W0",
+        "3F1",
+        "3I1",
+        "3W1",
+        "0F3",
+        "0I0",
+        "0W0",
+        "3F2",
+        "3I2",
+        "3W2",
+        "0I1",
+        "0W1",
+        "3F3",
+        "3I3",
+        "3W3",
+        "0I2",
+        "0W2",
+        "0I3",
+        "0W3",
+    ]
     assert compute(program, 1)[:6] == ["1F0", "2F0", "1F1", "2F1", "2I0", "2W0"]
 
 
@@ -82,8 +161,9 @@ def test_interleaved_with_one_chunk_is_1f1b(num_ranks: int, num_microbatches: in
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("virtual_stages", [1, 2, 3])
 @pytest.mark.parametrize("num_microbatches", [1, 2, 3, 4, 5, 6, 7, 9, 12])
-def test_interleaved_is_valid_with_megatrons_bubble(num_ranks: int, virtual_stages: int,
-                                                    num_microbatches: int) -> None:
+def test_interleaved_is_valid_with_megatrons_bubble(
+    num_ranks: int, virtual_stages: int, num_microbatches: int
+) -> None:
     p, v, m = num_ranks, virtual_stages, num_microbatches
     graph = chain(p * v, num_ranks=p)
     program = interleaved_1f1b(graph, m)
@@ -123,8 +203,12 @@ def test_zb_v_is_valid_with_a_small_bubble(num_ranks: int, num_microbatches: int
 
 def test_zb_h1_runs_on_a_dag_like_1f1b() -> None:
     # stage 0 feeds 1 and 2, both feed 3: depth 3, so stage 0 holds back no W and 3 holds two
-    stages = (Stage(0, 0, ("input",), ("a",)), Stage(1, 1, ("a",), ("b",)),
-              Stage(2, 2, ("a",), ("c",)), Stage(3, 3, ("b", "c"), (MODEL_OUTPUT,)))
+    stages = (
+        Stage(0, 0, ("input",), ("a",)),
+        Stage(1, 1, ("a",), ("b",)),
+        Stage(2, 2, ("a",), ("c",)),
+        Stage(3, 3, ("b", "c"), (MODEL_OUTPUT,)),
+    )
     graph = StageGraph(stages)
     program = zb_h1(graph, 4)
     validate(program, graph)
@@ -159,8 +243,7 @@ def theory(name: str, p: int, v: int, m: int, rank: int) -> int:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_microbatches", [1, 2, 3, 4, 5, 8, 11])
-def test_peak_activations_match_theory(name: str, num_ranks: int,
-                                       num_microbatches: int) -> None:
+def test_peak_activations_match_theory(name: str, num_ranks: int, num_microbatches: int) -> None:
     graph = graph_for(name, num_ranks)
     v = graph.num_stages // num_ranks
     program = SCHEDULES[name](graph, num_microbatches)
@@ -194,22 +277,29 @@ def test_layouts() -> None:
     assert set(LAYOUTS) <= set(SCHEDULES)
 
 
-@pytest.mark.parametrize(("name", "graph", "message"), [
-    ("interleaved-1f1b", chain(4, placement=[0, 1, 1, 0]), "placed in a loop"),
-    ("interleaved-1f1b", chain(3, num_ranks=2), "placed in a loop"),
-    ("zb-v", chain(4, num_ranks=2), "placed in a V"),
-    ("zb-v", chain(2), "placed in a V"),
-    ("zb-h1", chain(4, num_ranks=2), "one stage per rank"),
-    ("1f1b", chain(4, num_ranks=2), "interleaved"),
-])
+@pytest.mark.parametrize(
+    ("name", "graph", "message"),
+    [
+        ("interleaved-1f1b", chain(4, placement=[0, 1, 1, 0]), "placed in a loop"),
+        ("interleaved-1f1b", chain(3, num_ranks=2), "placed in a loop"),
+        ("zb-v", chain(4, num_ranks=2), "placed in a V"),
+        ("zb-v", chain(2), "placed in a V"),
+        ("zb-h1", chain(4, num_ranks=2), "one stage per rank"),
+        ("1f1b", chain(4, num_ranks=2), "interleaved"),
+    ],
+)
 def test_wrong_layouts_say_what_to_use(name: str, graph: StageGraph, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SCHEDULES[name](graph, 4)
 
 
 def test_interleaving_needs_a_chain() -> None:
-    stages = (Stage(0, 0, ("input",), ("a",)), Stage(1, 1, ("a",), ("b",)),
-              Stage(2, 0, ("a", "b"), ("c",)), Stage(3, 1, ("c",), (MODEL_OUTPUT,)))
+    stages = (
+        Stage(0, 0, ("input",), ("a",)),
+        Stage(1, 1, ("a",), ("b",)),
+        Stage(2, 0, ("a", "b"), ("c",)),
+        Stage(3, 1, ("c",), (MODEL_OUTPUT,)),
+    )
     with pytest.raises(ValueError, match="runs chains"):
         interleaved_1f1b(StageGraph(stages), 4)
 
@@ -227,8 +317,10 @@ def test_custom_text_gets_communication_and_runs_on_the_simulator() -> None:
     graph = chain(2)
     program = from_text(CUSTOM, graph)
     assert program.num_microbatches == 2
-    assert str(program) == ("0F0 0SF0>1 0RB0<1 0F1 0SF1>1 0RB1<1 0I0 0W0 0I1 0W1\n"
-                            "1RF0<0 1RF1<0 1F0 1I0 1SB0>0 1F1 1I1 1SB1>0 1W0 1W1")
+    assert str(program) == (
+        "0F0 0SF0>1 0RB0<1 0F1 0SF1>1 0RB1<1 0I0 0W0 0I1 0W1\n"
+        "1RF0<0 1RF1<0 1F0 1I0 1SB0>0 1F1 1I1 1SB1>0 1W0 1W1"
+    )
     # rank 0 | 0F0 0F1  .  0I0 0W0 0I1 0W1
     # rank 1 |  .  1F0 1I0 1F1 1I1 1W0 1W1
     assert simulate(program, graph).step_time == pytest.approx(7)
@@ -246,14 +338,17 @@ def test_custom_schedule_from_a_file(tmp_path: Path) -> None:
     assert build_program(str(path), chain(2), 2) == from_text(CUSTOM, chain(2))
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("0F0 0W0 0I0\n1F0 1B0", "comes before 0I0"),
-    ("0F0 0B0\n1F0", "0 B, 0 I and 0 W"),
-    ("0F0 0B0\n1F0 1B0 1F0", "appears twice"),
-    ("0F0 1F0 0B0\n1B0", "not on rank 0"),
-    ("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1", "program deadlocks"),
-    ("0F0 0X0\n1F0 1B0", "cannot parse action '0X0'"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0F0 0W0 0I0\n1F0 1B0", "comes before 0I0"),
+        ("0F0 0B0\n1F0", "0 B, 0 I and 0 W"),
+        ("0F0 0B0\n1F0 1B0 1F0", "appears twice"),
+        ("0F0 1F0 0B0\n1B0", "not on rank 0"),
+        ("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1", "program deadlocks"),
+        ("0F0 0X0\n1F0 1B0", "cannot parse action '0X0'"),
+    ],
+)
 def test_custom_text_is_validated_before_it_runs(text: str, message: str) -> None:
     with pytest.raises((ProgramError, ValueError), match=message):
         from_text(text, chain(2))
@@ -262,18 +357,42 @@ def test_custom_text_is_validated_before_it_runs(text: str, message: str) -> Non
 # -- conveyor simulate -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--schedule", "zb-v", "--stages", "2", "--microbatches", "4"],
-     "ranks=2 stages=4 microbatches=4 step=25"),
-    (["--schedule", "interleaved-1f1b", "--stages", "2", "--virtual-stages", "3"],
-     "ranks=2 stages=6 microbatches=8 step=75"),
-    (["--schedule", "zb-h1", "--stages", "3", "--microbatches", "4"],
-     "step=14 units (per stage F=1, B=2 or I=1 + W=1) bubble=14.3% peak activations=[3, 3, 3]"),
-    (["--schedule", "gpipe", "--stages", "2", "--virtual-stages", "2", "--placement", "v",
-      "--microbatches", "2"], "peak activations=[4, 4]"),
-])
-def test_simulate_runs_every_schedule(argv: list[str], expected: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--schedule", "zb-v", "--stages", "2", "--microbatches", "4"],
+            "ranks=2 stages=4 microbatches=4 step=25",
+        ),
+        (
+            ["--schedule", "interleaved-1f1b", "--stages", "2", "--virtual-stages", "3"],
+            "ranks=2 stages=6 microbatches=8 step=75",
+        ),
+        (
+            ["--schedule", "zb-h1", "--stages", "3", "--microbatches", "4"],
+            "step=14 units (per stage F=1, B=2 or I=1 + W=1) bubble=14.3% "
+            "peak activations=[3, 3, 3]",
+        ),
+        (
+            [
+                "--schedule",
+                "gpipe",
+                "--stages",
+                "2",
+                "--virtual-stages",
+                "2",
+                "--placement",
+                "v",
+                "--microbatches",
+                "2",
+            ],
+            "peak activations=[4, 4]",
+        ),
+    ],
+)
+def test_simulate_runs_every_schedule(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["simulate", *argv]) == 0
     assert expected in capsys.readouterr().out
 

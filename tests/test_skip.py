@@ -69,25 +69,37 @@ def test_none_can_be_stashed_and_popped() -> None:
     torch.testing.assert_close(run_stages(graph, {"input": x}), model(x))
 
 
-@pytest.mark.parametrize(("layers", "message"), [
-    ([Keep(), nn.Linear(4, 4)], r"layer 0 \(Keep\) stashes 'skip', which no later layer pops"),
-    ([nn.Linear(4, 4), Add()], r"layer 1 \(Add\) pops 'skip', which no earlier layer stashes"),
-    ([Keep(), Keep(), Add()], r"layers 0 \(Keep\) and 1 \(Keep\) both stash 'skip'"),
-    ([Add(), Keep(), Add()], r"layer 0 \(Add\) pops 'skip', which no earlier layer stashes"),
-])
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ([Keep(), nn.Linear(4, 4)], r"layer 0 \(Keep\) stashes 'skip', which no later layer pops"),
+        ([nn.Linear(4, 4), Add()], r"layer 1 \(Add\) pops 'skip', which no earlier layer stashes"),
+        ([Keep(), Keep(), Add()], r"layers 0 \(Keep\) and 1 \(Keep\) both stash 'skip'"),
+        ([Add(), Keep(), Add()], r"layer 0 \(Add\) pops 'skip', which no earlier layer stashes"),
+    ],
+)
 def test_verifier_names_the_layers(layers: list[nn.Module], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         verify_skips(nn.Sequential(*layers))
 
 
 def test_rename_gives_each_instance_its_own_name() -> None:
-    model = nn.Sequential(rename(Keep(), skip="outer"), rename(Keep(), skip="inner"),
-                          rename(Add(), skip="inner"), rename(Add(), skip="outer"))
+    model = nn.Sequential(
+        rename(Keep(), skip="outer"),
+        rename(Keep(), skip="inner"),
+        rename(Add(), skip="inner"),
+        rename(Add(), skip="outer"),
+    )
     verify_skips(model)
     assert skip_names(model[1]) is not None and skip_names(model[1]).stashes == ("inner",)
     x = torch.randn(2, 4)
-    expected = model[3].linear(model[2].linear(model[1].linear(model[0].linear(x).tanh()).tanh())
-                               + model[0].linear(x).tanh()) + x
+    expected = (
+        model[3].linear(
+            model[2].linear(model[1].linear(model[0].linear(x).tanh()).tanh())
+            + model[0].linear(x).tanh()
+        )
+        + x
+    )
     torch.testing.assert_close(model(x), expected)
     with pytest.raises(ValueError, match="has no skip names"):
         rename(Keep(), other="x")
@@ -137,7 +149,7 @@ def test_unet_skips_become_long_edges() -> None:
     # stage 0 holds Down 0-1 (skip0, skip1); stage 1 Down 2 + Bottom; stage 2 Up 2-1; stage 3
     assert graph.consumers(0) == [1, 2, 3] and graph.consumers(1) == [2]
     assert graph.stages[3].outputs == (MODEL_OUTPUT,)
-    (images, _), = segmentation_batches(2, 16, 1, dtype=torch.float64)
+    ((images, _),) = segmentation_batches(2, 16, 1, dtype=torch.float64)
     torch.testing.assert_close(run_stages(graph, {"input": images}), model(images))
 
 

@@ -12,8 +12,9 @@ from conveyor.split import balance_to_split_points, split_model
 
 
 def split(model: nn.Sequential, balance: list[int], num_ranks: int = 2):  # type: ignore[no-untyped-def]
-    return split_model(model, balance_to_split_points(model, balance),
-                       place(len(balance), num_ranks))
+    return split_model(
+        model, balance_to_split_points(model, balance), place(len(balance), num_ranks)
+    )
 
 
 def test_the_same_parameter_in_two_stages_is_a_tie() -> None:

@@ -29,12 +29,20 @@ from dist import run_ranks
 def _two_ranks() -> Timeline:
     # rank 0: F, send, waits 2.0 for a gradient sent at 2.5 (0.5 of it is transfer), B
     # rank 1: waits 1.5 for an activation sent at 1.0, F, B, sends the gradient
-    return Timeline(2, [
-        Event(0, "0F0", 0.0, 1.0, memory=100), Event(0, "0SF0>1", 1.0, 1.1, bytes=64),
-        Event(0, "wait 0RB0<1", 1.1, 3.0, bytes=64), Event(0, "0B0", 3.0, 5.0),
-        Event(1, "wait 1RF0<0", 0.0, 1.5), Event(1, "1F0", 1.5, 2.5, memory=50),
-        Event(1, "1B0", 2.5, 2.5), Event(1, "1SB0>0", 2.5, 2.6, bytes=64),
-    ], meta={"schedule": "gpipe", "microbatches": 1})
+    return Timeline(
+        2,
+        [
+            Event(0, "0F0", 0.0, 1.0, memory=100),
+            Event(0, "0SF0>1", 1.0, 1.1, bytes=64),
+            Event(0, "wait 0RB0<1", 1.1, 3.0, bytes=64),
+            Event(0, "0B0", 3.0, 5.0),
+            Event(1, "wait 1RF0<0", 0.0, 1.5),
+            Event(1, "1F0", 1.5, 2.5, memory=50),
+            Event(1, "1B0", 2.5, 2.5),
+            Event(1, "1SB0>0", 2.5, 2.6, bytes=64),
+        ],
+        meta={"schedule": "gpipe", "microbatches": 1},
+    )
 
 
 def test_summary_splits_each_rank_into_busy_comm_wait_and_bubble() -> None:
@@ -54,11 +62,20 @@ def test_summary_splits_each_rank_into_busy_comm_wait_and_bubble() -> None:
 
 
 def test_events_know_their_kind_stage_and_microbatch() -> None:
-    kinds = {a: Event(0, a, 0, 1).kind for a in ("1F2", "1B2", "1I2", "1W2", "0SF3>1",
-                                                 "1RB0<2", "wait 1RF0<0", "wait sends")}
-    assert kinds == {"1F2": "forward", "1B2": "backward", "1I2": "backward_input",
-                     "1W2": "backward_weight", "0SF3>1": "send", "1RB0<2": "recv",
-                     "wait 1RF0<0": "wait", "wait sends": "wait"}
+    kinds = {
+        a: Event(0, a, 0, 1).kind
+        for a in ("1F2", "1B2", "1I2", "1W2", "0SF3>1", "1RB0<2", "wait 1RF0<0", "wait sends")
+    }
+    assert kinds == {
+        "1F2": "forward",
+        "1B2": "backward",
+        "1I2": "backward_input",
+        "1W2": "backward_weight",
+        "0SF3>1": "send",
+        "1RB0<2": "recv",
+        "wait 1RF0<0": "wait",
+        "wait sends": "wait",
+    }
     assert (Event(0, "3I12", 0, 1).stage, Event(0, "3I12", 0, 1).microbatch) == (3, 12)
     assert Event(0, "wait 1RF0<0", 0, 1).waited_for == "1RF0<0"
     assert Event(0, "wait sends", 0, 1).waited_for is None
@@ -85,28 +102,45 @@ def test_recorder_moves_compute_past_its_waits_and_gives_bytes_to_their_action()
     assert (backward.start, backward.end, backward.memory) == (12.0, 13.0, 7)
     part = recorder.timeline(num_ranks=3)
     assert part.num_ranks == 3 and part.events[0].start == pytest.approx(
-        10.0 + recorder.clock_offset)
+        10.0 + recorder.clock_offset
+    )
     with pytest.raises(RuntimeError, match="no step recorded"):
         Recorder(0).timeline(1)
 
 
-def _write_run(directory: Path, ranks: dict[int, dict[int, list[list[object]]]],
-               num_ranks: int = 2) -> None:
+def _write_run(
+    directory: Path, ranks: dict[int, dict[int, list[list[object]]]], num_ranks: int = 2
+) -> None:
     for rank, steps in ranks.items():
-        lines = [json.dumps({"rank": rank, "host": "h", "clock_offset": 0.0,
-                             "meta": {"ranks": num_ranks, "schedule": "1f1b"}})]
+        lines = [
+            json.dumps(
+                {
+                    "rank": rank,
+                    "host": "h",
+                    "clock_offset": 0.0,
+                    "meta": {"ranks": num_ranks, "schedule": "1f1b"},
+                }
+            )
+        ]
         lines += [json.dumps({"step": s, "events": e}) for s, e in steps.items()]
         (directory / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def test_load_run_merges_one_step_from_when_every_rank_has_entered_it(tmp_path: Path) -> None:
-    _write_run(tmp_path, {0: {0: [["0F0", 100.0, 101.0, 0, 5]], 1: [["0F0", 200.0, 201.0, 0, 5]]},
-                          1: {0: [["1F0", 100.5, 102.0, 0, 3]], 1: [["1F0", 199.5, 202.0, 0, 3]]}})
+    _write_run(
+        tmp_path,
+        {
+            0: {0: [["0F0", 100.0, 101.0, 0, 5]], 1: [["0F0", 200.0, 201.0, 0, 5]]},
+            1: {0: [["1F0", 100.5, 102.0, 0, 3]], 1: [["1F0", 199.5, 202.0, 0, 3]]},
+        },
+    )
     last = load_run(tmp_path)
     assert last.meta["step"] == 1 and last.meta["schedule"] == "1f1b"
     # rank 1 entered step 1 at 199.5, rank 0 at 200.0: the step starts at 200.0
     assert [(e.rank, e.action, e.start, e.end) for e in last.events] == [
-        (0, "0F0", 0.0, 1.0), (1, "1F0", 0.0, 2.0)]
+        (0, "0F0", 0.0, 1.0),
+        (1, "1F0", 0.0, 2.0),
+    ]
     first = load_run(tmp_path, step=0)  # rank 0 at 100.0, rank 1 at 100.5
     assert [(e.start, e.end) for e in first.events] == [(0.0, 0.5), (0.0, 1.5)]
     with pytest.raises(ValueError, match=r"recorded steps: 0\.\.1"):
@@ -125,34 +159,54 @@ def test_chrome_trace_has_one_track_per_rank_and_timeline(tmp_path: Path) -> Non
     measured = _two_ranks()
     predicted = Timeline(2, [Event(0, "0F0", 0.0, 2.0), Event(1, "1F0", 2.0, 3.0)], "simulated")
     trace = chrome_trace(measured)
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e["name"] == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
     assert names == {0: "rank 0", 1: "rank 1"}
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(measured.events)
     backward = next(e for e in spans if e["name"] == "0B0")
     assert (backward["ts"], backward["dur"], backward["pid"], backward["cat"]) == (
-        3e6, 2e6, 0, "backward")
+        3e6,
+        2e6,
+        0,
+        "backward",
+    )
     both = json.loads(write_chrome(tmp_path / "both.json", measured, predicted).read_text())
-    names = {e["pid"]: e["args"]["name"] for e in both["traceEvents"]
-             if e["name"] == "process_name"}
-    assert names == {0: "measured rank 0", 1: "measured rank 1", 2: "simulated rank 0",
-                     3: "simulated rank 1"}
+    names = {
+        e["pid"]: e["args"]["name"] for e in both["traceEvents"] if e["name"] == "process_name"
+    }
+    assert names == {
+        0: "measured rank 0",
+        1: "measured rank 1",
+        2: "simulated rank 0",
+        3: "simulated rank 1",
+    }
 
 
 def test_png_gantt_chart_is_written(tmp_path: Path) -> None:
-    path = write_png(tmp_path / "t.png", _two_ranks(), _two_ranks().shifted(-1.0),
-                     title="side by side")
+    path = write_png(
+        tmp_path / "t.png", _two_ranks(), _two_ranks().shifted(-1.0), title="side by side"
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     with pytest.raises(ValueError, match="at least one timeline"):
         write_png(tmp_path / "none.png")
 
 
 def test_render_grid_draws_whole_units() -> None:
-    timeline = Timeline(2, [Event(0, "0F0", 0, 1), Event(0, "0B0", 2, 4), Event(1, "1F0", 1, 2),
-                            Event(1, "wait 1RB0<1", 0, 1)])
-    assert render_grid(timeline).splitlines() == ["rank 0 | 0F0  .  0B0 0B0",
-                                                   "rank 1 |  .  1F0  .   . "]
+    timeline = Timeline(
+        2,
+        [
+            Event(0, "0F0", 0, 1),
+            Event(0, "0B0", 2, 4),
+            Event(1, "1F0", 1, 2),
+            Event(1, "wait 1RB0<1", 0, 1),
+        ],
+    )
+    assert render_grid(timeline).splitlines() == [
+        "rank 0 | 0F0  .  0B0 0B0",
+        "rank 1 |  .  1F0  .   . ",
+    ]
 
 
 # -- recorded runs on two ranks ----------------------------------------------------------------
@@ -160,8 +214,9 @@ def test_render_grid_draws_whole_units() -> None:
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)),
-                         nn.Linear(8, 4)).double()
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)), nn.Linear(8, 4)
+    ).double()
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -177,11 +232,15 @@ def _recorded_worker(rank: int, world_size: int, root: str) -> None:
         num_stages = wanted.virtual_stages * world_size
         placement = tuple(place(num_stages, world_size, wanted.placement))
         balance = (5,) if num_stages == 1 else {2: (3, 2), 4: (2, 1, 1, 1)}[num_stages]
-        common = {"loss_fn": _loss, "schedule": name, "placement": placement,
-                  "balance": balance, "num_microbatches": 4}
+        common = {
+            "loss_fn": _loss,
+            "schedule": name,
+            "placement": placement,
+            "balance": balance,
+            "num_microbatches": 4,
+        }
         plain = Pipeline(_model(), **common)
-        traced = Pipeline(_model(), trace_dir=str(Path(root, name)), measure_memory=True,
-                          **common)
+        traced = Pipeline(_model(), trace_dir=str(Path(root, name)), measure_memory=True, **common)
         with pytest.raises(RuntimeError, match="trace=True"):
             plain.timeline()
         for _ in range(2):
@@ -213,7 +272,8 @@ def test_recorded_runs_match_their_programs_and_their_files(tmp_path: Path) -> N
         from_files = load_run(tmp_path / name)
         assert from_files.meta["step"] == 1 and from_files.meta["schedule"] == name
         assert [(e.rank, e.action) for e in from_files.events] == [
-            (e.rank, e.action) for e in gathered.events]
+            (e.rank, e.action) for e in gathered.events
+        ]
         for a, b in zip(from_files.events, gathered.events, strict=True):
             assert a.duration == pytest.approx(b.duration, abs=1e-9)
             assert a.start == pytest.approx(b.start, abs=1e-9)
@@ -223,11 +283,17 @@ def test_recorded_runs_match_their_programs_and_their_files(tmp_path: Path) -> N
 
 
 def test_trace_command_prints_the_summary_and_writes_the_pictures(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from conveyor.cli import main
 
-    _write_run(tmp_path, {0: {3: [["0F0", 10.0, 11.0, 0, 5], ["0B0", 12.0, 14.0, 0, 0]]},
-                          1: {3: [["wait 1RF0<0", 10.0, 11.0, 0, 0], ["1F0", 11.0, 12.0, 0, 3]]}})
+    _write_run(
+        tmp_path,
+        {
+            0: {3: [["0F0", 10.0, 11.0, 0, 5], ["0B0", 12.0, 14.0, 0, 0]]},
+            1: {3: [["wait 1RF0<0", 10.0, 11.0, 0, 0], ["1F0", 11.0, 12.0, 0, 3]]},
+        },
+    )
     predicted = Timeline(2, [Event(0, "0F0", 0.0, 1.0), Event(1, "1F0", 1.0, 2.0)], "simulated")
     predicted.save(tmp_path / "predicted.json")
     assert main(["trace", str(tmp_path), "--compare", str(tmp_path / "predicted.json")]) == 0
@@ -237,11 +303,16 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
     assert (tmp_path / "timeline.png").stat().st_size > 0
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
-        "measured rank 0", "measured rank 1", "simulated rank 0", "simulated rank 1"}
+        "measured rank 0",
+        "measured rank 1",
+        "simulated rank 0",
+        "simulated rank 1",
+    }
 
 
-def test_run_options_are_taken_before_the_script_only(monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path) -> None:
+def test_run_options_are_taken_before_the_script_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from conveyor.cli.launch import take_run_options
 
     monkeypatch.delenv("CONVEYOR_TRACE_DIR", raising=False)
@@ -255,7 +326,7 @@ def test_run_options_are_taken_before_the_script_only(monkeypatch: pytest.Monkey
         take_run_options(["--plan", str(tmp_path / "p.json"), "train.py"])
 
 
-_SCRIPT = '''
+_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 import conveyor
@@ -267,12 +338,13 @@ pipe = conveyor.Pipeline(model, loss_fn=lambda out, y: ((out - y) ** 2).mean(),
 for _ in range(3):
     pipe.step(torch.randn(4, 4), torch.randn(4, 2))
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.dist
-def test_conveyor_run_trace_records_every_rank(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_conveyor_run_trace_records_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from conveyor.cli import main
 
     monkeypatch.delenv("CONVEYOR_TRACE_DIR", raising=False)

@@ -25,8 +25,16 @@ from typing import Any, Literal, get_args
 from conveyor.runtime.recompute import RECOMPUTE_MODES, RecomputeMode
 
 __all__ = [
-    "CHECKPOINT_DIR_ENV", "PLAN_ENV", "TRACE_ENV", "CheckpointConfig", "PipelineConfig",
-    "RuntimeConfig", "SplitConfig", "TrainingConfig", "read_plan", "resolve",
+    "CHECKPOINT_DIR_ENV",
+    "PLAN_ENV",
+    "TRACE_ENV",
+    "CheckpointConfig",
+    "PipelineConfig",
+    "RuntimeConfig",
+    "SplitConfig",
+    "TrainingConfig",
+    "read_plan",
+    "resolve",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,31 +84,39 @@ class SplitConfig:
     def _check_split(self) -> None:
         methods = self.split_methods
         if len(methods) > 1:
-            raise ValueError(f"pass one way to split, got {list(methods)}: balance "
-                             "(nn.Sequential), split_points (a chain), stage_modules (a graph "
-                             "by hand) or auto_split=True")
+            raise ValueError(
+                f"pass one way to split, got {list(methods)}: balance "
+                "(nn.Sequential), split_points (a chain), stage_modules (a graph "
+                "by hand) or auto_split=True"
+            )
         if self.stage_modules is not None and not all(m.strip(" ,") for m in self.stage_modules):
-            raise ValueError(f"stage_modules {list(self.stage_modules)} has an empty stage; "
-                             "give each stage at least one submodule name")
+            raise ValueError(
+                f"stage_modules {list(self.stage_modules)} has an empty stage; "
+                "give each stage at least one submodule name"
+            )
         if self.balance is not None and any(b < 1 for b in self.balance):
-            raise ValueError(f"balance {list(self.balance)} has a count below 1; every stage "
-                             "needs at least one layer")
+            raise ValueError(
+                f"balance {list(self.balance)} has a count below 1; every stage "
+                "needs at least one layer"
+            )
         if self.virtual_stages is not None and self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.placement_style not in (None, "loop", "v"):
-            raise ValueError(f"placement_style must be 'loop' or 'v', got "
-                             f"{self.placement_style!r}")
+            raise ValueError(f"placement_style must be 'loop' or 'v', got {self.placement_style!r}")
         for group in self.tie_weights:
             if len([n for n in group.split(",") if n.strip()]) < 2:
-                raise ValueError(f"tie_weights entry {group!r} names fewer than two "
-                                 "parameters; give a comma-separated group such as "
-                                 "'0.tokens.weight,5.out.weight'")
+                raise ValueError(
+                    f"tie_weights entry {group!r} names fewer than two "
+                    "parameters; give a comma-separated group such as "
+                    "'0.tokens.weight,5.out.weight'"
+                )
 
     @property
     def split_methods(self) -> tuple[SplitMethod, ...]:
         """The ways to split that are set (valid configs set at most one)."""
-        given = tuple(m for m in get_args(SplitMethod) if m != "auto_split"
-                      and getattr(self, m) is not None)
+        given = tuple(
+            m for m in get_args(SplitMethod) if m != "auto_split" and getattr(self, m) is not None
+        )
         return given + (("auto_split",) if self.auto_split else ())
 
     @property
@@ -143,13 +159,16 @@ class TrainingConfig:
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
         if self.checkpoint not in RECOMPUTE_MODES:
-            raise ValueError(f"checkpoint must be one of {list(RECOMPUTE_MODES)}, "
-                             f"got {self.checkpoint!r}")
+            raise ValueError(
+                f"checkpoint must be one of {list(RECOMPUTE_MODES)}, got {self.checkpoint!r}"
+            )
         if self.stage_checkpoint is not None:
             wrong = [m for m in self.stage_checkpoint if m not in RECOMPUTE_MODES]
             if wrong:
-                raise ValueError(f"stage_checkpoint has modes {wrong}; each must be one of "
-                                 f"{list(RECOMPUTE_MODES)}")
+                raise ValueError(
+                    f"stage_checkpoint has modes {wrong}; each must be one of "
+                    f"{list(RECOMPUTE_MODES)}"
+                )
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
 
@@ -194,8 +213,9 @@ class PipelineConfig(RuntimeConfig, TrainingConfig, SplitConfig):
         self._check_runtime()
 
     @classmethod
-    def from_dict(cls, fields: Mapping[str, Any], source: str = "the configuration"
-                  ) -> PipelineConfig:
+    def from_dict(
+        cls, fields: Mapping[str, Any], source: str = "the configuration"
+    ) -> PipelineConfig:
         """A config from plain data (JSON, TOML, a plan file): lists become tuples.
 
         Raises:
@@ -212,23 +232,30 @@ class PipelineConfig(RuntimeConfig, TrainingConfig, SplitConfig):
         """This config with a plan's fields: a plan's way to split replaces this one's."""
         plan = _fields_of(type(self), fields, "the plan")
         if set(plan) & set(get_args(SplitMethod)):
-            unsplit = {"balance": None, "split_points": None, "stage_modules": None,
-                       "auto_split": False}
+            unsplit = {
+                "balance": None,
+                "split_points": None,
+                "stage_modules": None,
+                "auto_split": False,
+            }
             plan = {**unsplit, **plan}
         return dataclasses.replace(self, **plan)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain data (tuples as lists), for logs, JSON and checkpoints."""
-        return {k: list(v) if isinstance(v, tuple) else v
-                for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
 
 
 def _fields_of(cls: type, fields: Mapping[str, Any], source: str) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ValueError(f"{source} sets unknown fields {unknown}; expected "
-                         f"{cls.__name__} fields {sorted(known)}")
+        raise ValueError(
+            f"{source} sets unknown fields {unknown}; expected "
+            f"{cls.__name__} fields {sorted(known)}"
+        )
     return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
@@ -241,17 +268,25 @@ def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"plan file {str(path)!r} is not JSON ({error}); write one with "
-                         "`conveyor plan ... --out plan.json`") from error
+        raise ValueError(
+            f"plan file {str(path)!r} is not JSON ({error}); write one with "
+            "`conveyor plan ... --out plan.json`"
+        ) from error
     if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict):
-        raise ValueError(f"plan file {str(path)!r} has no 'pipeline' section; write one with "
-                         "`conveyor plan ... --out plan.json`")
+        raise ValueError(
+            f"plan file {str(path)!r} has no 'pipeline' section; write one with "
+            "`conveyor plan ... --out plan.json`"
+        )
     return _fields_of(PipelineConfig, data["pipeline"], f"plan file {str(path)!r}")
 
 
-def resolve(config: PipelineConfig | None = None, *, plan: str | os.PathLike[str] | None = None,
-            options: Mapping[str, Any] | None = None,
-            environ: Mapping[str, str] = os.environ) -> PipelineConfig:
+def resolve(
+    config: PipelineConfig | None = None,
+    *,
+    plan: str | os.PathLike[str] | None = None,
+    options: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> PipelineConfig:
     """The configuration a Pipeline runs, from every source, later ones winning:
 
     1. ``config`` (default: PipelineConfig());

@@ -40,10 +40,17 @@ class ResumableLoader:
     saves it. ``for batch in loader`` yields the rest of the current epoch.
     """
 
-    def __init__(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True,
-                 collate_fn: Callable[[list[Any]], Any] | None = None,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset = dataset
@@ -55,9 +62,11 @@ class ResumableLoader:
         self.collate_fn = collate_fn
         self.num_workers = num_workers
         if self.num_batches == 0:
-            raise ValueError(f"a dataset of {self.num_samples} samples gives no batch of "
-                             f"{batch_size}{' with drop_last' if drop_last else ''}; use a "
-                             "smaller batch_size")
+            raise ValueError(
+                f"a dataset of {self.num_samples} samples gives no batch of "
+                f"{batch_size}{' with drop_last' if drop_last else ''}; use a "
+                "smaller batch_size"
+            )
         self.epoch = 0
         """Epoch of the next batch."""
         self.batch_index = 0
@@ -75,8 +84,10 @@ class ResumableLoader:
     def batches(self, epoch: int) -> list[list[int]]:
         """The sample indices of every batch of ``epoch``, in order."""
         order = epoch_order(self.num_samples, epoch, self.seed, self.shuffle)
-        return [order[i:i + self.batch_size]
-                for i in range(0, self.num_batches * self.batch_size, self.batch_size)]
+        return [
+            order[i : i + self.batch_size]
+            for i in range(0, self.num_batches * self.batch_size, self.batch_size)
+        ]
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch, from the current position."""
@@ -85,9 +96,13 @@ class ResumableLoader:
         # its own generator: the loader seeds its workers without drawing from the global
         # generator, whose state a checkpoint restores (a resumed epoch would draw twice)
         generator = torch.Generator().manual_seed(_seed("workers", self.seed, epoch))
-        loader = DataLoader(self.dataset, batch_sampler=_Fixed(batches[start:]),
-                            collate_fn=self.collate_fn, num_workers=self.num_workers,
-                            generator=generator)
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=_Fixed(batches[start:]),
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+            generator=generator,
+        )
         for index, batch in enumerate(loader, start=start + 1):
             # count the batch as used before handing it out: a save after this step records it
             if index == len(batches):
@@ -103,23 +118,35 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position, and what the order depends on (checked when loading)."""
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
-                "num_samples": self.num_samples, "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. Raises ValueError if the data or batching changed,
         since the saved position would then point elsewhere in another order."""
-        changed = [f"{name} {state[name]!r} -> {getattr(self, name)!r}"
-                   for name in ("num_samples", "batch_size", "seed", "shuffle", "drop_last")
-                   if name in state and state[name] != getattr(self, name)]
+        changed = [
+            f"{name} {state[name]!r} -> {getattr(self, name)!r}"
+            for name in ("num_samples", "batch_size", "seed", "shuffle", "drop_last")
+            if name in state and state[name] != getattr(self, name)
+        ]
         if changed:
-            raise ValueError(f"the saved data position does not fit this loader: "
-                             f"{', '.join(changed)}; resume with the same dataset and batching, "
-                             "or start a new run")
+            raise ValueError(
+                f"the saved data position does not fit this loader: "
+                f"{', '.join(changed)}; resume with the same dataset and batching, "
+                "or start a new run"
+            )
         if not 0 <= state["batch_index"] < self.num_batches:
-            raise ValueError(f"saved batch_index {state['batch_index']} is outside the "
-                             f"{self.num_batches} batches of an epoch")
+            raise ValueError(
+                f"saved batch_index {state['batch_index']} is outside the "
+                f"{self.num_batches} batches of an epoch"
+            )
         self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
 
 

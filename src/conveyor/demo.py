@@ -62,8 +62,12 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
     """Train on this rank (torch.distributed must be initialized); returns every step's loss
     on the rank that holds the last stage, an empty list elsewhere."""
     torch.manual_seed(0)
-    model = gpt(seq_len=demo.seq_len, dim=demo.dim, num_layers=demo.num_layers,
-                tie_embeddings=demo.tie_embeddings)
+    model = gpt(
+        seq_len=demo.seq_len,
+        dim=demo.dim,
+        num_layers=demo.num_layers,
+        tie_embeddings=demo.tie_embeddings,
+    )
     pipe = Pipeline(model, pipeline, loss_fn=gpt_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=demo.lr)
     batches = text_batches(demo.batch_size, demo.seq_len, demo.steps)
@@ -83,9 +87,14 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens * step / elapsed:,.0f}")
             bar.update()
             if step % demo.log_every == 0:
-                logger.info("step %d/%d | loss %.4f | %.1f ms/step | %.1fk tokens/s", step,
-                            demo.steps, losses[-1], elapsed / step * 1e3,
-                            tokens * step / elapsed / 1e3)
+                logger.info(
+                    "step %d/%d | loss %.4f | %.1f ms/step | %.1fk tokens/s",
+                    step,
+                    demo.steps,
+                    losses[-1],
+                    elapsed / step * 1e3,
+                    tokens * step / elapsed / 1e3,
+                )
     if is_last:
         _summary(demo, pipe, losses, time.perf_counter() - start)
     if pipeline.trace_dir:
@@ -100,17 +109,30 @@ def _render_trace(directory: str) -> None:
         timeline = load_run(directory)
         png = write_png(f"{directory}/timeline.png", timeline)
         chrome = write_chrome(f"{directory}/trace.json", timeline)
-        logger.info("%s\nwrote %s and %s; `conveyor trace %s` renders any recorded step",
-                    timeline.summary_text(), png, chrome, directory)
+        logger.info(
+            "%s\nwrote %s and %s; `conveyor trace %s` renders any recorded step",
+            timeline.summary_text(),
+            png,
+            chrome,
+            directory,
+        )
 
 
 def _summary(demo: DemoConfig, pipe: Pipeline, losses: list[float], seconds: float) -> None:
-    tail = losses[-min(10, len(losses)):]
+    tail = losses[-min(10, len(losses)) :]
     logger.info(
         "done: %d steps in %.1f s (%.0f tokens/s) | loss %.3f -> %.3f (mean of last %d) | "
-        "unigram entropy of the text %.3f nats, uniform %.3f | %s", demo.steps, seconds,
-        demo.steps * demo.batch_size * demo.seq_len / seconds, losses[0], sum(tail) / len(tail),
-        len(tail), unigram_entropy(), math.log(96), pipe.describe())
+        "unigram entropy of the text %.3f nats, uniform %.3f | %s",
+        demo.steps,
+        seconds,
+        demo.steps * demo.batch_size * demo.seq_len / seconds,
+        losses[0],
+        sum(tail) / len(tail),
+        len(tail),
+        unigram_entropy(),
+        math.log(96),
+        pipe.describe(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def worker_args(demo: DemoConfig, pipeline: PipelineConfig) -> list[str]:
     """The command-line arguments of ``main`` for these configs."""
-    return ["--demo", json.dumps(dataclasses.asdict(demo)),
-            "--pipeline", json.dumps(pipeline.to_dict())]
+    return [
+        "--demo",
+        json.dumps(dataclasses.asdict(demo)),
+        "--pipeline",
+        json.dumps(pipeline.to_dict()),
+    ]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Write files whole or not at all: into a temporary name in the same directory, then rename.
 
-    write_atomic("plan.json", text)                 # readers see the old file or the new one
-    with atomic_path("timeline.png") as temporary:  # for writers that want a path
-        figure.savefig(temporary)
+write_atomic("plan.json", text)                 # readers see the old file or the new one
+with atomic_path("timeline.png") as temporary:  # for writers that want a path
+    figure.savefig(temporary)
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     if it raises), so ``path`` is never half-written."""
     target = Path(path)
     # a name of our own (not mkstemp's, which makes files only the owner can read)
-    temporary = target.with_name(f".{target.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-                                 f"{target.suffix}")
+    temporary = target.with_name(
+        f".{target.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}{target.suffix}"
+    )
     try:
         yield temporary
         os.replace(temporary, target)

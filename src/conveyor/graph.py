@@ -9,8 +9,15 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["MODEL_OUTPUT", "PLACEMENT_STYLES", "PlacementStyle", "Stage", "StageGraph", "chain",
-           "place"]
+__all__ = [
+    "MODEL_OUTPUT",
+    "PLACEMENT_STYLES",
+    "PlacementStyle",
+    "Stage",
+    "StageGraph",
+    "chain",
+    "place",
+]
 
 
 MODEL_OUTPUT = "output"
@@ -52,14 +59,17 @@ class StageGraph:
         produced: dict[str, int] = {}
         for position, stage in enumerate(self.stages):
             if stage.index != position:
-                raise ValueError(f"stage at position {position} has index {stage.index}; "
-                                 "stages must be listed in index order 0, 1, 2, ...")
+                raise ValueError(
+                    f"stage at position {position} has index {stage.index}; "
+                    "stages must be listed in index order 0, 1, 2, ..."
+                )
             for name in stage.inputs:
                 if name not in produced and name not in self.model_inputs:
                     raise ValueError(
                         f"stage {stage.index} takes {name!r}, which no earlier stage produces "
                         f"and is not a model input {list(self.model_inputs)}; stages must be in "
-                        "topological order")
+                        "topological order"
+                    )
             for name in stage.outputs:
                 if name in produced or name in self.model_inputs:
                     raise ValueError(f"value {name!r} is produced twice (stage {stage.index})")
@@ -68,8 +78,10 @@ class StageGraph:
             raise ValueError(f"no stage produces the model output {MODEL_OUTPUT!r}")
         ranks = sorted({s.rank for s in self.stages})
         if ranks != list(range(len(ranks))):
-            raise ValueError(f"stages are placed on ranks {ranks}; expected every rank in "
-                             f"0..{len(ranks) - 1} to hold at least one stage")
+            raise ValueError(
+                f"stages are placed on ranks {ranks}; expected every rank in "
+                f"0..{len(ranks) - 1} to hold at least one stage"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -160,11 +172,12 @@ def place(num_stages: int, num_ranks: int, style: PlacementStyle = "loop") -> li
     again for more than two stages per rank), so consecutive laps meet on the same rank.
     """
     if num_ranks < 1 or num_stages % num_ranks:
-        raise ValueError(f"cannot place {num_stages} stages on {num_ranks} ranks; use a "
-                         f"positive multiple of {num_ranks} stages (the same number per rank)")
+        raise ValueError(
+            f"cannot place {num_stages} stages on {num_ranks} ranks; use a "
+            f"positive multiple of {num_ranks} stages (the same number per rank)"
+        )
     if style not in PLACEMENT_STYLES:
-        raise ValueError(f"placement style must be one of {list(PLACEMENT_STYLES)}, "
-                         f"got {style!r}")
+        raise ValueError(f"placement style must be one of {list(PLACEMENT_STYLES)}, got {style!r}")
     ranks = []
     for stage in range(num_stages):
         lap, position = divmod(stage, num_ranks)
@@ -173,8 +186,9 @@ def place(num_stages: int, num_ranks: int, style: PlacementStyle = "loop") -> li
     return ranks
 
 
-def chain(num_stages: int, num_ranks: int | None = None,
-          placement: Sequence[int] | None = None) -> StageGraph:
+def chain(
+    num_stages: int, num_ranks: int | None = None, placement: Sequence[int] | None = None
+) -> StageGraph:
     """A module-less chain of stages: stage i feeds stage i+1.
 
     Stage i sits on rank ``placement[i]`` (default: round-robin over ``num_ranks``, which
@@ -186,8 +200,10 @@ def chain(num_stages: int, num_ranks: int | None = None,
         ranks = num_stages if num_ranks is None else num_ranks
         placement = [i % ranks for i in range(num_stages)]
     if len(placement) != num_stages:
-        raise ValueError(f"placement {list(placement)} has {len(placement)} entries; "
-                         f"expected one rank per stage ({num_stages})")
+        raise ValueError(
+            f"placement {list(placement)} has {len(placement)} entries; "
+            f"expected one rank per stage ({num_stages})"
+        )
     stages = []
     for i, rank in enumerate(placement):
         inputs = ("input",) if i == 0 else (f"h{i - 1}",)

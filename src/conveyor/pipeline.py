@@ -53,15 +53,26 @@ class Pipeline:
     more than its own stages.
     """
 
-    def __init__(self, model: nn.Module | StageGraph, config: PipelineConfig | None = None, *,
-                 loss_fn: LossFn | None = None, group: dist.ProcessGroup | None = None,
-                 device: torch.device | str | None = None, schedule: str | Schedule | None = None,
-                 concrete_args: dict[str, Any] | None = None, plan: str | os.PathLike[str]
-                 | None = None, example_inputs: Any = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module | StageGraph,
+        config: PipelineConfig | None = None,
+        *,
+        loss_fn: LossFn | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        schedule: str | Schedule | None = None,
+        concrete_args: dict[str, Any] | None = None,
+        plan: str | os.PathLike[str] | None = None,
+        example_inputs: Any = None,
+        **options: Any,
+    ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized; launch with `conveyor run "
-                               "-n N script.py` (or torchrun) and call "
-                               "torch.distributed.init_process_group() before Pipeline(...)")
+            raise RuntimeError(
+                "torch.distributed is not initialized; launch with `conveyor run "
+                "-n N script.py` (or torchrun) and call "
+                "torch.distributed.init_process_group() before Pipeline(...)"
+            )
         if isinstance(schedule, str):
             options["schedule"] = schedule
         config = self.config = resolve(config, plan=plan, options=options)
@@ -77,31 +88,50 @@ class Pipeline:
         if not isinstance(model, StageGraph):
             config = self.config = _with_layout(config, self.num_ranks)
         self._model = model
-        self.split_points, self.graph = _split(model, config, self.num_ranks, concrete_args,
-                                               example_inputs)
+        self.split_points, self.graph = _split(
+            model, config, self.num_ranks, concrete_args, example_inputs
+        )
         if self.graph.num_ranks != self.num_ranks:
-            raise ValueError(f"the split places stages on {self.graph.num_ranks} ranks but the "
-                             f"process group has {self.num_ranks}; launch with "
-                             f"`conveyor run -n {self.graph.num_ranks}` or change the split")
+            raise ValueError(
+                f"the split places stages on {self.graph.num_ranks} ranks but the "
+                f"process group has {self.num_ranks}; launch with "
+                f"`conveyor run -n {self.graph.num_ranks}` or change the split"
+            )
         self.topology = self.graph.topology()
-        if config.stage_checkpoint is not None and \
-                len(config.stage_checkpoint) != self.graph.num_stages:
-            raise ValueError(f"stage_checkpoint {list(config.stage_checkpoint)} has "
-                             f"{len(config.stage_checkpoint)} modes for {self.graph.num_stages} "
-                             "stages; give one mode per stage")
-        self.program = build_program(schedule if callable(schedule) else config.schedule,
-                                     self.topology, config.num_microbatches)
+        if (
+            config.stage_checkpoint is not None
+            and len(config.stage_checkpoint) != self.graph.num_stages
+        ):
+            raise ValueError(
+                f"stage_checkpoint {list(config.stage_checkpoint)} has "
+                f"{len(config.stage_checkpoint)} modes for {self.graph.num_stages} "
+                "stages; give one mode per stage"
+            )
+        self.program = build_program(
+            schedule if callable(schedule) else config.schedule,
+            self.topology,
+            config.num_microbatches,
+        )
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
-        self.stages = {s: _materialize(self.graph.stages[s].module, self.device)
-                       for s in self.graph.stages_on(self.rank)}
+        self.stages = {
+            s: _materialize(self.graph.stages[s].module, self.device)
+            for s in self.graph.stages_on(self.rank)
+        }
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
-        self._runtime = Runtime(self.graph, self.rank, p2p, self.device, loss_fn,
-                                config.stage_checkpoint or config.checkpoint, config.seed,
-                                config.measure_memory)
+        self._runtime = Runtime(
+            self.graph,
+            self.rank,
+            p2p,
+            self.device,
+            loss_fn,
+            config.stage_checkpoint or config.checkpoint,
+            config.seed,
+            config.measure_memory,
+        )
         self.step_index = 0
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
@@ -122,11 +152,13 @@ class Pipeline:
         if recorder is not None:
             recorder.begin_step(self.step_index)
         if self.loss_fn is None or targets is None:
-            raise ValueError(f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
-                             f"and targets to step() (loss_fn is "
-                             f"{'set' if self.loss_fn else 'None'}, targets is "
-                             f"{'set' if targets is not None else 'None'}); use forward() "
-                             "for inference")
+            raise ValueError(
+                f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
+                f"and targets to step() (loss_fn is "
+                f"{'set' if self.loss_fn else 'None'}, targets is "
+                f"{'set' if targets is not None else 'None'}); use forward() "
+                "for inference"
+            )
         before = self.ties.gradients()
         state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
         self.ties.sum_gradients(before)
@@ -140,8 +172,7 @@ class Pipeline:
     def forward(self, inputs: Any) -> Any:
         """Inference: the model's output for ``inputs`` on the last stage's rank, else None."""
         with torch.no_grad():
-            state = self._runtime.run(self._inference[self.rank],
-                                      self._inputs(inputs, None, False))
+            state = self._runtime.run(self._inference[self.rank], self._inputs(inputs, None, False))
         if not state.model_outputs:
             return None
         return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
@@ -157,17 +188,23 @@ class Pipeline:
         ``trace=True`` (or ``trace_dir``). Times are seconds from the step's first event.
         """
         if self.recorder is None:
-            raise RuntimeError("this Pipeline records no timeline; create it with trace=True "
-                               "(or trace_dir=DIR, or run under `conveyor run --trace DIR`)")
+            raise RuntimeError(
+                "this Pipeline records no timeline; create it with trace=True "
+                "(or trace_dir=DIR, or run under `conveyor run --trace DIR`)"
+            )
         part = self.recorder.timeline(self.num_ranks, step)
         parts: list[Any] = [None] * self.num_ranks
         dist.all_gather_object(parts, part, group=self.group)
         return merge(parts, self._trace_meta())
 
     def _trace_meta(self) -> dict[str, Any]:
-        return {"schedule": self.config.schedule, "microbatches": self.config.num_microbatches,
-                "ranks": self.num_ranks, "split_points": list(self.split_points),
-                "checkpoint": list(self.config.stage_checkpoint or [self.config.checkpoint])}
+        return {
+            "schedule": self.config.schedule,
+            "microbatches": self.config.num_microbatches,
+            "ranks": self.num_ranks,
+            "split_points": list(self.split_points),
+            "checkpoint": list(self.config.stage_checkpoint or [self.config.checkpoint]),
+        }
 
     def _start_trace(self, p2p: P2P) -> None:
         recorder = Recorder(self.rank)
@@ -178,14 +215,17 @@ class Pipeline:
             directory = os.path.abspath(self.config.trace_dir)
             os.makedirs(directory, exist_ok=True)
             # line-buffered: each step is on disk when step() returns, even if the run dies
-            sink = open(os.path.join(directory, f"rank{self.rank}.jsonl"), "w",  # noqa: SIM115
-                        buffering=1)
+            path = os.path.join(directory, f"rank{self.rank}.jsonl")
+            sink = open(path, "w", buffering=1)  # noqa: SIM115  # closed by the finalizer below
             sink.write(json.dumps({**recorder.header(), "meta": self._trace_meta()}) + "\n")
             recorder.sink = sink
             weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
             if self.rank == 0:
-                logger.info("tracing to %s; render with `conveyor trace %s`", directory,
-                            self.config.trace_dir)
+                logger.info(
+                    "tracing to %s; render with `conveyor trace %s`",
+                    directory,
+                    self.config.trace_dir,
+                )
 
     def _inputs(self, inputs: Any, targets: Any, is_training: bool) -> StepInputs:
         m = self.config.num_microbatches
@@ -196,11 +236,18 @@ class Pipeline:
             weights = [1.0] * m
         else:
             counts = [microbatch.batch_size(c) or 0 for c in chunks]
-            weights = ([c / size for c in counts] if self.config.loss_reduction == "mean"
-                       else [1.0] * m)
+            weights = (
+                [c / size for c in counts] if self.config.loss_reduction == "mean" else [1.0] * m
+            )
         split_targets = None if targets is None else microbatch.split(targets, m, size)
-        return StepInputs(chunks, [_signature(c) for c in chunks], split_targets, weights,
-                          self.step_index, is_training)
+        return StepInputs(
+            chunks,
+            [_signature(c) for c in chunks],
+            split_targets,
+            weights,
+            self.step_index,
+            is_training,
+        )
 
     # -- the local part of the model ------------------------------------------------------
 
@@ -235,9 +282,11 @@ class Pipeline:
             wanted = module.state_dict().keys()
             missing = [k for k in wanted if k not in state]
             if missing and strict:
-                raise KeyError(f"rank {self.rank} (stage {s}): state lacks {missing[:5]}"
-                               f"{' ...' if len(missing) > 5 else ''}; pass a state_dict of the "
-                               "same model, or strict=False to keep the current values")
+                raise KeyError(
+                    f"rank {self.rank} (stage {s}): state lacks {missing[:5]}"
+                    f"{' ...' if len(missing) > 5 else ''}; pass a state_dict of the "
+                    "same model, or strict=False to keep the current values"
+                )
             module.load_state_dict({k: state[k] for k in wanted if k in state}, strict=False)
 
     def train(self, mode: bool = True) -> Pipeline:
@@ -251,8 +300,10 @@ class Pipeline:
     def memory(self) -> MemoryReport:
         """Peak activation bytes and micro-batches this rank held since ``reset_memory``."""
         if not self._runtime.meter.enabled:
-            raise RuntimeError("memory accounting is off; construct the Pipeline with "
-                               "measure_memory=True to measure peaks")
+            raise RuntimeError(
+                "memory accounting is off; construct the Pipeline with "
+                "measure_memory=True to measure peaks"
+            )
         return self._runtime.meter.report()
 
     def reset_memory(self) -> None:
@@ -262,11 +313,13 @@ class Pipeline:
     def describe(self) -> str:
         """One line: the plan, as logged at start-up."""
         estimate = simulate(self.program, self.topology)
-        return (f"schedule={self.config.schedule} stages={self.graph.num_stages} "
-                f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
-                f"{_split_summary(self.graph, self.split_points)} "
-                f"checkpoint={self.config.checkpoint} "
-                f"est. bubble={estimate.bubble_fraction:.0%}")
+        return (
+            f"schedule={self.config.schedule} stages={self.graph.num_stages} "
+            f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
+            f"{_split_summary(self.graph, self.split_points)} "
+            f"checkpoint={self.config.checkpoint} "
+            f"est. bubble={estimate.bubble_fraction:.0%}"
+        )
 
 
 def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
@@ -277,33 +330,48 @@ def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
     return f"graph depth={graph.depth} edges={edges}"
 
 
-def _split(model: nn.Module | StageGraph, config: PipelineConfig, num_ranks: int,
-           concrete_args: dict[str, Any] | None,
-           example_inputs: Any) -> tuple[tuple[str, ...], StageGraph]:
+def _split(
+    model: nn.Module | StageGraph,
+    config: PipelineConfig,
+    num_ranks: int,
+    concrete_args: dict[str, Any] | None,
+    example_inputs: Any,
+) -> tuple[tuple[str, ...], StageGraph]:
     """(split points, StageGraph): a prebuilt graph, stage_modules, auto_split, or a chain cut
     before split points (see conveyor.split)."""
     if isinstance(model, StageGraph):
         if any(s.module is None for s in model.stages):
-            raise ValueError("the StageGraph has stages without modules (a topology); pass a "
-                             "graph from conveyor.split, or the model itself")
+            raise ValueError(
+                "the StageGraph has stages without modules (a topology); pass a "
+                "graph from conveyor.split, or the model itself"
+            )
         return (), model
     if config.stage_modules is not None:
         return (), split_by_modules(model, config.stage_modules, config.placement, concrete_args)
     if config.auto_split:
         num_stages = len(config.placement) if config.placement is not None else num_ranks
-        return (), auto_split(model, num_stages, example_inputs=example_inputs,
-                              num_microbatches=config.num_microbatches,
-                              placement=config.placement, concrete_args=concrete_args,
-                              leaf_modules=config.leaf_modules)
+        return (), auto_split(
+            model,
+            num_stages,
+            example_inputs=example_inputs,
+            num_microbatches=config.num_microbatches,
+            placement=config.placement,
+            concrete_args=concrete_args,
+            leaf_modules=config.leaf_modules,
+        )
     split_points = _split_points(model, config, num_ranks)
     return split_points, split_model(model, split_points, config.placement, concrete_args)
 
 
 def _with_layout(config: PipelineConfig, num_ranks: int) -> PipelineConfig:
     """``config`` with the rank of every stage (conveyor.schedule.stage_placement)."""
-    placement = stage_placement(config.schedule, num_ranks, num_stages=config.num_stages,
-                                virtual_stages=config.virtual_stages,
-                                style=config.placement_style)
+    placement = stage_placement(
+        config.schedule,
+        num_ranks,
+        num_stages=config.num_stages,
+        virtual_stages=config.virtual_stages,
+        style=config.placement_style,
+    )
     if config.placement is not None or config.auto_split:
         return config
     return config.replace(placement=tuple(placement))
@@ -319,15 +387,19 @@ def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> t
             balance = config.balance or even_balance(len(model), num_stages)
             split_points = tuple(balance_to_split_points(model, balance))
         elif config.balance is not None:
-            raise TypeError(f"balance splits an nn.Sequential, but the model is a "
-                            f"{type(model).__name__}; pass split_points=[...] (qualified names "
-                            "of the submodules that start each stage) instead")
+            raise TypeError(
+                f"balance splits an nn.Sequential, but the model is a "
+                f"{type(model).__name__}; pass split_points=[...] (qualified names "
+                "of the submodules that start each stage) instead"
+            )
         elif num_ranks > 1:
-            raise ValueError(f"cannot split a {type(model).__name__} over {num_ranks} ranks "
-                             "without split points; pass split_points=[...] naming the "
-                             "submodules that start stages 1.., e.g. ['layers.4'], "
-                             "stage_modules=(...) naming each stage's submodules, or "
-                             "auto_split=True")
+            raise ValueError(
+                f"cannot split a {type(model).__name__} over {num_ranks} ranks "
+                "without split points; pass split_points=[...] naming the "
+                "submodules that start stages 1.., e.g. ['layers.4'], "
+                "stage_modules=(...) naming each stage's submodules, or "
+                "auto_split=True"
+            )
         else:
             split_points = ()
     return tuple(split_points)
@@ -349,8 +421,11 @@ def _materialize(module: nn.Module | None, device: torch.device) -> nn.Module:
         elif any(True for _ in sub.parameters(recurse=False)):
             uninitialized.append(name)
     if uninitialized:
-        logger.warning("modules %s have no reset_parameters(); their parameters are "
-                       "uninitialized until you call Pipeline.load_state_dict", uninitialized)
+        logger.warning(
+            "modules %s have no reset_parameters(); their parameters are "
+            "uninitialized until you call Pipeline.load_state_dict",
+            uninitialized,
+        )
     return module
 
 

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from conveyor.graph import StageGraph
 
 __all__ = [
-    "Action", "Kind", "Program", "add_communication", "matching_recv", "receives_needed",
+    "Action",
+    "Kind",
+    "Program",
+    "add_communication",
+    "matching_recv",
+    "receives_needed",
     "sends_after",
 ]
 
@@ -60,8 +65,10 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind.is_compute != (self.peer is None):
-            raise ValueError(f"{self.kind.name} action needs "
-                             f"{'no peer' if self.kind.is_compute else 'a peer stage'}")
+            raise ValueError(
+                f"{self.kind.name} action needs "
+                f"{'no peer' if self.kind.is_compute else 'a peer stage'}"
+            )
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.kind.value}{self.microbatch}"
@@ -80,7 +87,8 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}; expected <stage><kind><microbatch>, kind one of "
-                "F B I W (compute) or SF RF SB RB followed by >peer or <peer, e.g. '1F0', '0SF0>1'")
+                "F B I W (compute) or SF RF SB RB followed by >peer or <peer, e.g. '1F0', '0SF0>1'"
+            )
         stage, kind, microbatch, arrow, peer = match.groups()
         action_kind = Kind(kind)
         if arrow is not None and (arrow == ">") != action_kind.is_send:
@@ -143,8 +151,9 @@ def receives_needed(graph: StageGraph, action: Action) -> list[Action]:
         peers, kind = graph.consumers(action.stage), Kind.RECV_B
     else:
         return []
-    return [Action(action.stage, kind, action.microbatch, p) for p in peers
-            if graph.rank_of(p) != rank]
+    return [
+        Action(action.stage, kind, action.microbatch, p) for p in peers if graph.rank_of(p) != rank
+    ]
 
 
 def sends_after(graph: StageGraph, action: Action) -> list[Action]:
@@ -156,8 +165,9 @@ def sends_after(graph: StageGraph, action: Action) -> list[Action]:
         peers, kind = graph.producers(action.stage), Kind.SEND_B
     else:
         return []
-    return [Action(action.stage, kind, action.microbatch, p) for p in peers
-            if graph.rank_of(p) != rank]
+    return [
+        Action(action.stage, kind, action.microbatch, p) for p in peers if graph.rank_of(p) != rank
+    ]
 
 
 def matching_recv(send: Action) -> Action:
@@ -178,8 +188,9 @@ def matching_recv(send: Action) -> Action:
 # interleaved-1f1b steps 6-12% faster than with one). The price is up to three received
 # inputs held early. With prefetch=1:
 #   rank 1:  1RF0<0 1RF1<0 | 1F0 1SF0>2 | 1RB0<2 | 1F1 ...
-def add_communication(graph: StageGraph, compute: Sequence[Sequence[Action]],
-                      num_microbatches: int, prefetch: int = 3) -> Program:
+def add_communication(
+    graph: StageGraph, compute: Sequence[Sequence[Action]], num_microbatches: int, prefetch: int = 3
+) -> Program:
     """Insert the sends and receives that a compute-only program needs.
 
     Sends follow the compute that produces them; receives are placed per Note
@@ -194,10 +205,12 @@ def add_communication(graph: StageGraph, compute: Sequence[Sequence[Action]],
                 sends_by_channel.setdefault(channel, []).append(send)
     ranks = []
     for rank, rank_actions in enumerate(compute):
-        position = {need: i for i, a in enumerate(rank_actions)
-                    for need in receives_needed(graph, a)}
-        forward_at = {(a.stage, a.microbatch): i for i, a in enumerate(rank_actions)
-                      if a.kind is Kind.F}
+        position = {
+            need: i for i, a in enumerate(rank_actions) for need in receives_needed(graph, a)
+        }
+        forward_at = {
+            (a.stage, a.microbatch): i for i, a in enumerate(rank_actions) if a.kind is Kind.F
+        }
         post_at: dict[int, list[Action]] = {}
         for (_, dst), sends in sorted(sends_by_channel.items()):
             if dst != rank:
@@ -211,8 +224,11 @@ def add_communication(graph: StageGraph, compute: Sequence[Sequence[Action]],
             at = 0
             for recv, deadline in zip(recvs, deadlines, strict=True):
                 # a gradient's buffer is shaped by the forward it answers: post after that
-                earliest = (forward_at.get((recv.stage, recv.microbatch), -1) + 1
-                            if recv.kind is Kind.RECV_B else 0)
+                earliest = (
+                    forward_at.get((recv.stage, recv.microbatch), -1) + 1
+                    if recv.kind is Kind.RECV_B
+                    else 0
+                )
                 at = max(at, deadline - prefetch, earliest)
                 post_at.setdefault(at, []).append(recv)
         actions: list[Action] = []
@@ -224,4 +240,3 @@ def add_communication(graph: StageGraph, compute: Sequence[Sequence[Action]],
             actions += rest
         ranks.append(tuple(actions))
     return Program(tuple(ranks), num_microbatches)
-

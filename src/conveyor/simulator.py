@@ -53,8 +53,12 @@ class UnitCost:
     latency: float = 0.0
 
     def compute(self, action: Action) -> float:
-        return {Kind.F: self.forward, Kind.I: self.backward_input, Kind.W: self.backward_weight,
-                Kind.B: self.backward_input + self.backward_weight}[action.kind]
+        return {
+            Kind.F: self.forward,
+            Kind.I: self.backward_input,
+            Kind.W: self.backward_weight,
+            Kind.B: self.backward_input + self.backward_weight,
+        }[action.kind]
 
     def transfer(self, action: Action) -> float:
         return self.latency
@@ -93,8 +97,9 @@ class Execution:
         return max(self.finish, default=0.0)
 
 
-def execute(program: Program, graph: StageGraph, cost: CostModel | None = None, *,
-            record: bool = True) -> Execution:
+def execute(
+    program: Program, graph: StageGraph, cost: CostModel | None = None, *, record: bool = True
+) -> Execution:
     """Run ``program`` against ``cost``: the Timeline and each rank's totals.
 
     With ``record=False`` the Timeline has no events, and searches run faster.
@@ -113,8 +118,7 @@ def execute(program: Program, graph: StageGraph, cost: CostModel | None = None, 
 class _Execution:
     """State of one simulated step; See Note [execution semantics]."""
 
-    def __init__(self, program: Program, graph: StageGraph, cost: CostModel,
-                 record: bool) -> None:
+    def __init__(self, program: Program, graph: StageGraph, cost: CostModel, record: bool) -> None:
         self.program = program
         self.graph = graph
         self.cost = cost
@@ -127,7 +131,8 @@ class _Execution:
         self.live = [0] * graph.num_stages
         self.sent: dict[tuple[int, int], list[tuple[Action, float]]] = {}
         self.posted: list[dict[Action, tuple[tuple[int, int], int]]] = [
-            {} for _ in range(num_ranks)]
+            {} for _ in range(num_ranks)
+        ]
         self.num_posted: dict[tuple[int, int], int] = {}
         self.last_arrival = [0.0] * num_ranks
         self.events: list[Event] = []
@@ -151,18 +156,32 @@ class _Execution:
             if all(self.pc[r] == len(program[r]) for r in range(num_ranks)):
                 break
             if not progressed:
-                blocked = [f"rank {r} at {program[r][self.pc[r]]} (action {self.pc[r]})"
-                           for r in range(num_ranks) if self.pc[r] < len(program[r])]
-                raise DeadlockError("program deadlocks: " + "; ".join(blocked) +
-                                    " wait for messages that are never sent")
+                blocked = [
+                    f"rank {r} at {program[r][self.pc[r]]} (action {self.pc[r]})"
+                    for r in range(num_ranks)
+                    if self.pc[r] < len(program[r])
+                ]
+                raise DeadlockError(
+                    "program deadlocks: "
+                    + "; ".join(blocked)
+                    + " wait for messages that are never sent"
+                )
         _check_channels(self.sent, self.num_posted)
         for rank in range(num_ranks):  # the runtime waits for its sends before returning
             if self.last_arrival[rank] > self.clock[rank]:
-                self.add(Event(rank, f"{WAIT} sends", self.clock[rank], self.last_arrival[rank],
-                               memory=self.held[rank]))
+                self.add(
+                    Event(
+                        rank,
+                        f"{WAIT} sends",
+                        self.clock[rank],
+                        self.last_arrival[rank],
+                        memory=self.held[rank],
+                    )
+                )
                 self.clock[rank] = self.last_arrival[rank]
-        return Timeline(num_ranks, sorted(self.events, key=lambda e: (e.rank, e.start)),
-                        "simulated")
+        return Timeline(
+            num_ranks, sorted(self.events, key=lambda e: (e.rank, e.start)), "simulated"
+        )
 
     def add(self, event: Event) -> None:
         if self.record:
@@ -197,8 +216,9 @@ class _Execution:
         arrivals = []
         for need in receives_needed(self.graph, action):
             if need not in self.posted[rank]:
-                raise DeadlockError(f"rank {rank}: {action} needs {need}, which is not "
-                                    "posted before it")
+                raise DeadlockError(
+                    f"rank {rank}: {action} needs {need}, which is not posted before it"
+                )
             channel, index = self.posted[rank][need]
             messages = self.sent.get(channel, [])
             if len(messages) <= index:
@@ -207,7 +227,8 @@ class _Execution:
             if matching_recv(message) != need:
                 raise DeadlockError(
                     f"rank {rank}: receive {need} is matched with {message} from rank "
-                    f"{channel[0]}; ranks must post receives in the order their peer sends")
+                    f"{channel[0]}; ranks must post receives in the order their peer sends"
+                )
             arrivals.append((need, arrival))
         clock = self.clock[rank]
         for need, arrival in arrivals:  # the runtime collects each message in turn
@@ -246,10 +267,13 @@ class _Execution:
             self.held[rank] -= self.resident(s)
 
 
-def _check_channels(sent: dict[tuple[int, int], list[tuple[Action, float]]],
-                    num_posted: dict[tuple[int, int], int]) -> None:
+def _check_channels(
+    sent: dict[tuple[int, int], list[tuple[Action, float]]], num_posted: dict[tuple[int, int], int]
+) -> None:
     for channel in sorted(set(sent) | set(num_posted)):
         num_sent, num_received = len(sent.get(channel, [])), num_posted.get(channel, 0)
         if num_sent != num_received:
-            raise DeadlockError(f"rank {channel[0]} sends {num_sent} messages to rank "
-                                f"{channel[1]}, which posts {num_received} receives")
+            raise DeadlockError(
+                f"rank {channel[0]} sends {num_sent} messages to rank "
+                f"{channel[1]}, which posts {num_received} receives"
+            )

@@ -22,7 +22,7 @@ __all__ = ["default_store", "flatten_state_dict", "grad_unchecked", "pytree"]
 """Internal to conveyor: listed so that its modules may import them."""
 
 
-def default_store() -> dist.Store | None:
+def default_store() -> torch._C._distributed_c10d.Store | None:
     """The store the default process group rendezvoused through (outlives every rank), or
     None. No public API returns it; ``torch.distributed.distributed_c10d._get_default_store``
     is what torch's own elastic and checkpoint code use."""
@@ -30,7 +30,7 @@ def default_store() -> dist.Store | None:
     if get is None:
         return None
     try:
-        store: dist.Store = get()
+        store: torch._C._distributed_c10d.Store = get()
     except (RuntimeError, ValueError):  # no default group (anymore)
         return None
     return store
@@ -49,10 +49,12 @@ def flatten_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return dict(flat)
 
 
-def grad_unchecked(outputs: Sequence[torch.autograd.graph.GradientEdge],
-                   inputs: Sequence[torch.autograd.graph.GradientEdge],
-                   grads: Sequence[torch.Tensor],
-                   keep_graph: bool) -> tuple[torch.Tensor | None, ...]:
+def grad_unchecked(
+    outputs: Sequence[torch.autograd.graph.GradientEdge],
+    inputs: Sequence[torch.autograd.graph.GradientEdge],
+    grads: Sequence[torch.Tensor],
+    keep_graph: bool,
+) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph,
     allow_unused=True)`` without its Python shape checks, when torch has its engine entry.
 
@@ -63,9 +65,10 @@ def grad_unchecked(outputs: Sequence[torch.autograd.graph.GradientEdge],
     """
     run = getattr(torch.autograd.graph, "_engine_run_backward", None)
     if run is None:
-        return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep_graph,
-                                   allow_unused=True)
-    found: tuple[torch.Tensor | None, ...] = run(tuple(outputs), tuple(grads), keep_graph,
-                                                False, tuple(inputs), True,
-                                                accumulate_grad=False)
+        return torch.autograd.grad(
+            outputs, inputs, grads, retain_graph=keep_graph, allow_unused=True
+        )
+    found: tuple[torch.Tensor | None, ...] = run(
+        tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate_grad=False
+    )
     return found

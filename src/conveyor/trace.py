@@ -22,8 +22,17 @@ from typing import Any
 from conveyor.files import atomic_path, write_atomic
 
 __all__ = [
-    "WAIT", "Event", "RankSummary", "Recorder", "Timeline", "chrome_trace", "load_run", "merge",
-    "render_grid", "write_chrome", "write_png",
+    "WAIT",
+    "Event",
+    "RankSummary",
+    "Recorder",
+    "Timeline",
+    "chrome_trace",
+    "load_run",
+    "merge",
+    "render_grid",
+    "write_chrome",
+    "write_png",
 ]
 
 
@@ -32,8 +41,16 @@ WAIT = "wait"
 ``wait sends`` the wait for outstanding sends at the end of a step."""
 
 _ACTION = re.compile(r"^(\d+)(F|B|I|W|SF|RF|SB|RB)(\d+)(?:[<>](\d+))?$")
-_KIND_NAMES = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight",
-               "SF": "send", "SB": "send", "RF": "recv", "RB": "recv"}
+_KIND_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward_input",
+    "W": "backward_weight",
+    "SF": "send",
+    "SB": "send",
+    "RF": "recv",
+    "RB": "recv",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +98,7 @@ class Event:
         """The receive a wait blocked on (``1RF0<0``), None for other events."""
         if not self.action.startswith(WAIT + " "):
             return None
-        target = self.action[len(WAIT) + 1:]
+        target = self.action[len(WAIT) + 1 :]
         return target if _ACTION.match(target) else None
 
 
@@ -168,48 +185,70 @@ class Timeline:
         for rank in range(self.num_ranks):
             busy = self.busy_time(rank) / step if step else 0.0
             comm = min(self.comm_wait_time(rank) / step, 1.0 - busy) if step else 0.0
-            rows.append(RankSummary(rank, busy, comm, max(0.0, 1.0 - busy - comm),
-                                    self.peak_memory(rank)))
+            rows.append(
+                RankSummary(rank, busy, comm, max(0.0, 1.0 - busy - comm), self.peak_memory(rank))
+            )
         return rows
 
     def summary_text(self) -> str:
         """The summary as a small table, with the step time and bubble fraction on top."""
-        lines = [f"{self.title()}",
-                 f"{'rank':>4}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}"]
+        lines = [
+            f"{self.title()}",
+            f"{'rank':>4}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}",
+        ]
         for row in self.summary():
-            lines.append(f"{row.rank:>4}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
-                         f"{row.comm_wait:>9.1%}  "
-                         f"{_bytes(row.peak_memory) if row.peak_memory else '-':>10}")
+            lines.append(
+                f"{row.rank:>4}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
+                f"{row.comm_wait:>9.1%}  "
+                f"{_bytes(row.peak_memory) if row.peak_memory else '-':>10}"
+            )
         return "\n".join(lines)
 
     def title(self) -> str:
         """One line: source, what ran, step time and bubble fraction."""
-        what = " ".join(f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches")
-                        if k in self.meta)
-        step = (f"{self.step_time:g} units" if self.meta.get("time_unit") == "units"
-                else f"{self.step_time * 1e3:.2f} ms")
-        return (f"{self.source}{' ' + what if what else ''}: step {step}, "
-                f"bubble {self.bubble_fraction:.1%}")
+        what = " ".join(
+            f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches") if k in self.meta
+        )
+        step = (
+            f"{self.step_time:g} units"
+            if self.meta.get("time_unit") == "units"
+            else f"{self.step_time * 1e3:.2f} ms"
+        )
+        return (
+            f"{self.source}{' ' + what if what else ''}: step {step}, "
+            f"bubble {self.bubble_fraction:.1%}"
+        )
 
     def shifted(self, origin: float) -> Timeline:
         """The same events with times measured from ``origin``."""
-        events = [Event(e.rank, e.action, e.start - origin, e.end - origin, e.bytes, e.memory)
-                  for e in self.events]
+        events = [
+            Event(e.rank, e.action, e.start - origin, e.end - origin, e.bytes, e.memory)
+            for e in self.events
+        ]
         return Timeline(self.num_ranks, events, self.source, dict(self.meta))
 
     # -- files -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_ranks": self.num_ranks, "source": self.source, "meta": self.meta,
-                "events": [[e.rank, e.action, e.start, e.end, e.bytes, e.memory]
-                           for e in self.events]}
+        return {
+            "num_ranks": self.num_ranks,
+            "source": self.source,
+            "meta": self.meta,
+            "events": [[e.rank, e.action, e.start, e.end, e.bytes, e.memory] for e in self.events],
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timeline:
-        events = [Event(int(r), str(a), float(s), float(e), int(b), int(m))
-                  for r, a, s, e, b, m in data["events"]]
-        return cls(int(data["num_ranks"]), events, str(data.get("source", "measured")),
-                   dict(data.get("meta", {})))
+        events = [
+            Event(int(r), str(a), float(s), float(e), int(b), int(m))
+            for r, a, s, e, b, m in data["events"]
+        ]
+        return cls(
+            int(data["num_ranks"]),
+            events,
+            str(data.get("source", "measured")),
+            dict(data.get("meta", {})),
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the timeline as JSON (``Timeline.load`` reads it back)."""
@@ -278,10 +317,18 @@ class Recorder:
     def end_step(self) -> None:
         """Close the current step: keep it, and write it to the sink if there is one."""
         self.steps.append((self._step_index, self.events))
-        del self.steps[:-self.keep]
+        del self.steps[: -self.keep]
         if self.sink is not None:
-            rows = [[e.action, e.start + self.clock_offset, e.end + self.clock_offset, e.bytes,
-                     e.memory] for e in self.events]
+            rows = [
+                [
+                    e.action,
+                    e.start + self.clock_offset,
+                    e.end + self.clock_offset,
+                    e.bytes,
+                    e.memory,
+                ]
+                for e in self.events
+            ]
             self.sink.write(json.dumps({"step": self._step_index, "events": rows}) + "\n")
         self.events = []
 
@@ -308,11 +355,22 @@ class Recorder:
     def timeline(self, num_ranks: int, step: int = -1) -> Timeline:
         """This rank's events of one kept step (default: the last), times in wall-clock seconds."""
         if not self.steps:
-            raise RuntimeError(f"rank {self.rank}: no step recorded yet; run a step with "
-                               "tracing on first (Pipeline(..., trace=True))")
+            raise RuntimeError(
+                f"rank {self.rank}: no step recorded yet; run a step with "
+                "tracing on first (Pipeline(..., trace=True))"
+            )
         _, events = self.steps[step]
-        moved = [Event(e.rank, e.action, e.start + self.clock_offset, e.end + self.clock_offset,
-                       e.bytes, e.memory) for e in events]
+        moved = [
+            Event(
+                e.rank,
+                e.action,
+                e.start + self.clock_offset,
+                e.end + self.clock_offset,
+                e.bytes,
+                e.memory,
+            )
+            for e in events
+        ]
         return Timeline(num_ranks, moved)
 
 
@@ -327,8 +385,17 @@ def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Time
     num_ranks = max((p.num_ranks for p in parts), default=0)
     starts = [min(e.start for e in part.events) for part in parts if part.events]
     origin = max(starts, default=0.0)
-    clipped = [Event(e.rank, e.action, max(e.start, origin) - origin,
-                     max(e.end, origin) - origin, e.bytes, e.memory) for e in events]
+    clipped = [
+        Event(
+            e.rank,
+            e.action,
+            max(e.start, origin) - origin,
+            max(e.end, origin) - origin,
+            e.bytes,
+            e.memory,
+        )
+        for e in events
+    ]
     return Timeline(num_ranks, clipped, "measured", dict(meta or {}))
 
 
@@ -342,9 +409,11 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
     """
     files = sorted(Path(directory).glob("rank*.jsonl"))
     if not files:
-        raise FileNotFoundError(f"no trace files (rank*.jsonl) in {str(directory)!r}; record "
-                                "a run with `conveyor run --trace DIR` or "
-                                "`conveyor demo --trace DIR`")
+        raise FileNotFoundError(
+            f"no trace files (rank*.jsonl) in {str(directory)!r}; record "
+            "a run with `conveyor run --trace DIR` or "
+            "`conveyor demo --trace DIR`"
+        )
     per_rank: dict[int, dict[int, list[Any]]] = {}
     meta: dict[str, Any] = {}
     for path in files:
@@ -352,20 +421,27 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
         head = json.loads(lines[0])
         meta.update(head.get("meta", {}))
         per_rank[int(head["rank"])] = {
-            row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))}
+            row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))
+        }
     num_ranks = int(meta.get("ranks", 1 + max(per_rank)))
     common = set.intersection(*(set(steps) for steps in per_rank.values()))
     if len(per_rank) < num_ranks:
-        raise ValueError(f"{str(directory)!r} holds trace files of ranks {sorted(per_rank)}, but "
-                         f"the run had {num_ranks} ranks; copy every rank's rank<N>.jsonl there")
+        raise ValueError(
+            f"{str(directory)!r} holds trace files of ranks {sorted(per_rank)}, but "
+            f"the run had {num_ranks} ranks; copy every rank's rank<N>.jsonl there"
+        )
     if not common:
         raise ValueError(f"the ranks in {str(directory)!r} recorded no step in common")
     chosen = max(common) if step is None else step
     if chosen not in common:
-        raise ValueError(f"step {chosen} was not recorded by every rank; recorded steps: "
-                         f"{min(common)}..{max(common)}")
-    parts = [Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
-             for rank, rows in per_rank.items()]
+        raise ValueError(
+            f"step {chosen} was not recorded by every rank; recorded steps: "
+            f"{min(common)}..{max(common)}"
+        )
+    parts = [
+        Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
+        for rank, rows in per_rank.items()
+    ]
     return merge(parts, {**meta, "step": chosen})
 
 
@@ -375,8 +451,8 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
 def render_grid(timeline: Timeline) -> str:
     """A rank x time text grid of compute actions; for timelines in whole time units.
 
-        rank 0 | 0F0 0F1  .   .  0B0 0B0 0B1 0B1
-        rank 1 |  .  1F0 1F1 1B0 ...
+    rank 0 | 0F0 0F1  .   .  0B0 0B0 0B1 0B1
+    rank 1 |  .  1F0 1F1 1B0 ...
     """
     compute = [e for e in timeline.events if _is_compute(e.action)]
     if not compute:
@@ -405,24 +481,51 @@ def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
         for rank in range(timeline.num_ranks):
             pid = index * timeline.num_ranks + rank if len(timelines) > 1 else rank
             name = f"{timeline.source} rank {rank}" if len(timelines) > 1 else f"rank {rank}"
-            events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                           "args": {"name": name}})
-            events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                           "args": {"sort_index": pid}})
+            events.append(
+                {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
+            )
+            events.append(
+                {
+                    "name": "process_sort_index",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"sort_index": pid},
+                }
+            )
             for e in timeline.on(rank):
                 args: dict[str, Any] = {"memory_bytes": e.memory}
                 if e.bytes:
                     args["bytes"] = e.bytes
                 if e.microbatch is not None:
                     args["microbatch"] = e.microbatch
-                events.append({"name": e.action, "cat": e.kind, "ph": "X", "pid": pid,
-                               "tid": 0, "ts": (e.start - origin) * 1e6,
-                               "dur": max(e.duration, 0.0) * 1e6, "args": args})
+                events.append(
+                    {
+                        "name": e.action,
+                        "cat": e.kind,
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": 0,
+                        "ts": (e.start - origin) * 1e6,
+                        "dur": max(e.duration, 0.0) * 1e6,
+                        "args": args,
+                    }
+                )
                 if e.is_compute:
-                    events.append({"name": "activation memory", "ph": "C", "pid": pid,
-                                   "ts": (e.end - origin) * 1e6, "args": {"bytes": e.memory}})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "metadata": {"conveyor": [t.title() for t in timelines]}}
+                    events.append(
+                        {
+                            "name": "activation memory",
+                            "ph": "C",
+                            "pid": pid,
+                            "ts": (e.end - origin) * 1e6,
+                            "args": {"bytes": e.memory},
+                        }
+                    )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {"conveyor": [t.title() for t in timelines]},
+    }
 
 
 def write_chrome(path: str | Path, *timelines: Timeline) -> Path:
@@ -432,13 +535,21 @@ def write_chrome(path: str | Path, *timelines: Timeline) -> Path:
     return target
 
 
-_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "backward_input": "#8FBC5A",
-           "backward_weight": "#2E7D4F", "send": "#C44E52", "recv": "#DD8452",
-           "wait": "#D0D0D0", "other": "#999999"}
+_COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#55A868",
+    "backward_input": "#8FBC5A",
+    "backward_weight": "#2E7D4F",
+    "send": "#C44E52",
+    "recv": "#DD8452",
+    "wait": "#D0D0D0",
+    "other": "#999999",
+}
 
 
-def write_png(path: str | Path, *timelines: Timeline, title: str | None = None,
-              scale: float | None = None) -> Path:
+def write_png(
+    path: str | Path, *timelines: Timeline, title: str | None = None, scale: float | None = None
+) -> Path:
     """A Gantt chart per timeline, stacked (measured above predicted, say), sharing the x axis.
 
     Compute blocks carry their micro-batch number; white space is the bubble; waits on peers
@@ -457,14 +568,29 @@ def write_png(path: str | Path, *timelines: Timeline, title: str | None = None,
     unit = scale if scale is not None else (1.0 if in_units else 1e3)
     span = max(t.step_time for t in timelines) * unit
     rows = sum(t.num_ranks for t in timelines)
-    fig, axes = plt.subplots(len(timelines), 1, sharex=True, squeeze=False,
-                             figsize=(12, 1.0 + 0.45 * rows + 0.6 * len(timelines)))
+    fig, axes = plt.subplots(
+        len(timelines),
+        1,
+        sharex=True,
+        squeeze=False,
+        figsize=(12, 1.0 + 0.45 * rows + 0.6 * len(timelines)),
+    )
     for ax, timeline in zip(axes[:, 0], timelines, strict=True):
         _gantt(ax, timeline, unit, span)
     axes[-1, 0].set_xlabel("time (ms)" if unit == 1e3 else "time (units)")
-    handles = [Patch(color=_COLORS[k], label=k.replace("_", " ")) for k in
-               ("forward", "backward", "backward_input", "backward_weight", "wait", "send",
-                "recv") if any(e.kind == k for t in timelines for e in t.events)]
+    handles = [
+        Patch(color=_COLORS[k], label=k.replace("_", " "))
+        for k in (
+            "forward",
+            "backward",
+            "backward_input",
+            "backward_weight",
+            "wait",
+            "send",
+            "recv",
+        )
+        if any(e.kind == k for t in timelines for e in t.events)
+    ]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
     if title:
         fig.suptitle(title)
@@ -484,16 +610,31 @@ def _gantt(ax: Any, timeline: Timeline, unit: float, span: float) -> None:
         for e in timeline.on(rank):
             left, width = (e.start - origin) * unit, e.duration * unit
             if e.is_compute:
-                ax.barh(y, width, left=left, height=0.8, color=_COLORS[e.kind],
-                        edgecolor="white", linewidth=0.4)
+                ax.barh(
+                    y,
+                    width,
+                    left=left,
+                    height=0.8,
+                    color=_COLORS[e.kind],
+                    edgecolor="white",
+                    linewidth=0.4,
+                )
                 if width >= min_label and e.microbatch is not None:
-                    ax.text(left + width / 2, y, str(e.microbatch), ha="center",
-                            va="center", fontsize=7, color="white")
+                    ax.text(
+                        left + width / 2,
+                        y,
+                        str(e.microbatch),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
             elif e.kind == "wait":
                 ax.barh(y - 0.3, width, left=left, height=0.12, color=_COLORS["wait"])
             else:
-                ax.barh(y - 0.43, max(width, span / 2000), left=left, height=0.1,
-                        color=_COLORS[e.kind])
+                ax.barh(
+                    y - 0.43, max(width, span / 2000), left=left, height=0.1, color=_COLORS[e.kind]
+                )
     ax.set_yticks(range(timeline.num_ranks))
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
     ax.set_xlim(0, span * 1.01)

@@ -25,6 +25,13 @@ from conveyor.checkpoint.manifest import CheckpointError, Manifest, list_checkpo
 from conveyor.checkpoint.plain import load_model, model_state_dict, read_checkpoint
 
 __all__ = [
-    "CheckpointError", "Checkpointer", "Manifest", "SaveRecord", "list_checkpoints",
-    "load_model", "model_state_dict", "read_checkpoint", "verify",
+    "CheckpointError",
+    "Checkpointer",
+    "Manifest",
+    "SaveRecord",
+    "list_checkpoints",
+    "load_model",
+    "model_state_dict",
+    "read_checkpoint",
+    "verify",
 ]

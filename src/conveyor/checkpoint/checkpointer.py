@@ -117,15 +117,24 @@ class Checkpointer:
     fields. Checkpoints are pickled objects as well as tensors: load only those you trust.
     """
 
-    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None, *,
-                 scheduler: Any | None = None, data: Any | None = None,
-                 config: CheckpointConfig | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        pipe: Pipeline,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any | None = None,
+        data: Any | None = None,
+        config: CheckpointConfig | None = None,
+        **options: Any,
+    ) -> None:
         config = dataclasses.replace(config or CheckpointConfig(), **options)
         directory = config.directory or os.environ.get(CHECKPOINT_DIR_ENV)
         if not directory:
-            raise ValueError("no checkpoint directory: pass directory=... (or "
-                             "config=CheckpointConfig(directory=...)), or run under `conveyor "
-                             f"run --checkpoint-dir DIR`, which sets ${CHECKPOINT_DIR_ENV}")
+            raise ValueError(
+                "no checkpoint directory: pass directory=... (or "
+                "config=CheckpointConfig(directory=...)), or run under `conveyor "
+                f"run --checkpoint-dir DIR`, which sets ${CHECKPOINT_DIR_ENV}"
+            )
         self.config = config
         self.directory = Path(directory).absolute()
         self.pipe = pipe
@@ -138,8 +147,12 @@ class Checkpointer:
         _check_optimizer(optimizer, self._module)
         ranks = None if pipe.group is None else dist.get_process_group_ranks(pipe.group)
         # only the pipeline's ranks take part, so each pipeline of a larger job has its own
-        self._group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                                     timeout=timedelta(seconds=config.timeout_s))
+        self._group = dist.new_group(
+            ranks,
+            backend="gloo",
+            use_local_synchronization=True,
+            timeout=timedelta(seconds=config.timeout_s),
+        )
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
         self.is_coordinator = self.rank == 0
@@ -184,14 +197,26 @@ class Checkpointer:
         temporary = self.directory / f".tmp-{step_dir_name(step)}-{self._run_id}-{self._sequence}"
         self._sequence += 1
         record = SaveRecord(step, 0.0)
-        job = _Job(step, temporary, Writer(temporary, self.rank, step), state,
-                   self._fingerprint(state), record, start)
+        job = _Job(
+            step,
+            temporary,
+            Writer(temporary, self.rank, step),
+            state,
+            self._fingerprint(state),
+            record,
+            start,
+        )
         self.saves.append(record)
         if self.config.async_save:
-            upload = async_save(state, storage_writer=job.writer, process_group=self._group,
-                                async_stager=self._stager)
-            job.upload = (upload.upload_completion if isinstance(upload, AsyncSaveResponse)
-                          else upload)
+            upload = async_save(
+                state,
+                storage_writer=job.writer,
+                process_group=self._group,
+                async_stager=self._stager,
+            )
+            job.upload = (
+                upload.upload_completion if isinstance(upload, AsyncSaveResponse) else upload
+            )
             record.blocked_s = time.perf_counter() - start
             faults.fire("checkpoint.after_snapshot", step=step)
             self._pending = self._executor.submit(self._write, job)
@@ -225,21 +250,24 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: Any) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any
+    ) -> None:
         if kind is None:
             self.close()
             return
         try:  # keep the training error: it is the cause; report the save's own failure
             self.close()
         except Exception as save_error:
-            logger.error("[rank %d] the checkpoint in flight failed too: %s", self.rank,
-                         save_error)
+            logger.error("[rank %d] the checkpoint in flight failed too: %s", self.rank, save_error)
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds, as Stateful objects keyed the same on every rank."""
-        state: dict[str, Any] = {"model": self._model, "progress": self._progress,
-                                 "rng": self._random}
+        state: dict[str, Any] = {
+            "model": self._model,
+            "progress": self._progress,
+            "rng": self._random,
+        }
         if self._optimizer is not None:
             state["optimizer"] = self._optimizer
         if self.scheduler is not None:
@@ -249,15 +277,21 @@ class Checkpointer:
         return state
 
     def _fingerprint(self, state: dict[str, Any]) -> str:
-        shared = {key: state[key].state_dict() for key in ("progress", "data", "scheduler")
-                  if key in state}
+        shared = {
+            key: state[key].state_dict()
+            for key in ("progress", "data", "scheduler")
+            if key in state
+        }
         try:
             return digest(shared)
         except Exception:  # an unpicklable scheduler state: nothing to compare
             return ""
 
     def _write(self, job: _Job) -> SaveRecord:
-        """Steps 3 and 4 of the protocol; See Note [checkpoint protocol]; in the background when asynchronous."""
+        """Steps 3 and 4 of the protocol, in the background when asynchronous.
+
+        See Note [checkpoint protocol].
+        """
         try:
             if job.upload is not None:
                 job.upload.result()
@@ -265,14 +299,22 @@ class Checkpointer:
                 save_state(job.state, storage_writer=job.writer, process_group=self._group)
         except (Exception, CheckpointException) as error:
             self._discard(job)
-            raise CheckpointError(job.temporary, None, f"saving step {job.step} failed: "
-                                  f"{_summary(error)}; the checkpoint was not published and "
-                                  f"earlier ones in {self.directory} are untouched") from None
+            raise CheckpointError(
+                job.temporary,
+                None,
+                f"saving step {job.step} failed: "
+                f"{_summary(error)}; the checkpoint was not published and "
+                f"earlier ones in {self.directory} are untouched",
+            ) from None
         faults.fire("checkpoint.after_metadata", step=job.step)
         reports: list[Any] = [None] * self.world_size if self.is_coordinator else []
         try:
-            dist.gather_object((job.writer.files, job.check), reports if self.is_coordinator
-                               else None, group=self._group, group_dst=0)
+            dist.gather_object(
+                (job.writer.files, job.check),
+                reports if self.is_coordinator else None,
+                group=self._group,
+                group_dst=0,
+            )
             if not self.is_coordinator:
                 faults.fire("checkpoint.before_rename", step=job.step)
             path, num_bytes = self._on_coordinator(lambda: self._publish(job, reports))
@@ -280,15 +322,22 @@ class Checkpointer:
             self._discard(job)
             raise
         except RuntimeError as error:  # the backend's error for a rank that went away
-            raise CheckpointError(job.temporary, None, f"saving step {job.step} failed while "
-                                  f"the ranks coordinated: {error}") from error
+            raise CheckpointError(
+                job.temporary,
+                None,
+                f"saving step {job.step} failed while the ranks coordinated: {error}",
+            ) from error
         job.record.path = Path(path)
         job.record.num_bytes = num_bytes
         job.record.total_s = time.perf_counter() - job.start
         if self.is_coordinator:
-            logger.info("checkpoint %s: %.1f MB, training blocked %.3f s, published after "
-                        "%.2f s", path, num_bytes / 1e6, job.record.blocked_s,
-                        job.record.total_s)
+            logger.info(
+                "checkpoint %s: %.1f MB, training blocked %.3f s, published after %.2f s",
+                path,
+                num_bytes / 1e6,
+                job.record.blocked_s,
+                job.record.total_s,
+            )
         return job.record
 
     def _publish(self, job: _Job, reports: list[Any]) -> tuple[str, int]:
@@ -296,17 +345,30 @@ class Checkpointer:
         files = {name: entry for rank_files, _ in reports for name, entry in rank_files.items()}
         checks = {rank: check for rank, (_, check) in enumerate(reports)}
         if len(set(checks.values())) > 1:
-            raise CheckpointError(job.temporary, None, f"ranks disagree on the step, data "
-                                  f"position or scheduler state (fingerprints {checks}); every "
-                                  "rank must call save() with the same step, after the same "
-                                  "batches")
+            raise CheckpointError(
+                job.temporary,
+                None,
+                f"ranks disagree on the step, data "
+                f"position or scheduler state (fingerprints {checks}); every "
+                "rank must call save() with the same step, after the same "
+                "batches",
+            )
         files[METADATA] = file_entry(job.temporary / METADATA)
         unexpected = sorted(set(os.listdir(job.temporary)) - set(files))
         if unexpected:
-            raise CheckpointError(job.temporary, unexpected[0], "was written but no rank "
-                                  "reported it; the checkpoint library wrote an unknown file")
-        manifest = Manifest(job.step, self.world_size, describe_layout(self.pipe), files,
-                            _versions(), datetime.datetime.now(datetime.UTC).isoformat())
+            raise CheckpointError(
+                job.temporary,
+                unexpected[0],
+                "was written but no rank reported it; the checkpoint library wrote an unknown file",
+            )
+        manifest = Manifest(
+            job.step,
+            self.world_size,
+            describe_layout(self.pipe),
+            files,
+            _versions(),
+            datetime.datetime.now(datetime.UTC).isoformat(),
+        )
         with (job.temporary / MANIFEST).open("w") as file:
             file.write(manifest.to_json())
             file.flush()
@@ -324,7 +386,7 @@ class Checkpointer:
     def _prune(self) -> None:
         if self.config.keep == 0:
             return
-        for _, path in list_checkpoints(self.directory)[self.config.keep:]:
+        for _, path in list_checkpoints(self.directory)[self.config.keep :]:
             logger.info("deleting old checkpoint %s (keep=%d)", path, self.config.keep)
             remove_dir(path, f".deleting-{path.name}-{self._run_id}")
 
@@ -342,8 +404,9 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             names = os.listdir(self.directory)
         except OSError as error:
-            raise CheckpointError(self.directory, None, f"cannot create or list the checkpoint "
-                                  f"directory: {error}") from error
+            raise CheckpointError(
+                self.directory, None, f"cannot create or list the checkpoint directory: {error}"
+            ) from error
         for name in names:
             if name.startswith((".tmp-", ".deleting-")):
                 logger.info("removing %s, left by an interrupted save or deletion", name)
@@ -364,8 +427,7 @@ class Checkpointer:
                 does not fit this run.
         """
         self.wait()
-        found = self._on_coordinator(lambda: [str(p) for _, p in list_checkpoints(
-            self.directory)])
+        found = self._on_coordinator(lambda: [str(p) for _, p in list_checkpoints(self.directory)])
         self.skipped = []
         for path in map(Path, found):
             try:
@@ -375,18 +437,29 @@ class Checkpointer:
                     logger.warning("skipping invalid checkpoint: %s", error)
                 self.skipped.append(error)
                 continue
-            return self._load(path, manifest, self.config.allow_reshard,
-                              self.config.allow_numerics_change)
+            return self._load(
+                path, manifest, self.config.allow_reshard, self.config.allow_numerics_change
+            )
         if self.skipped:
-            raise CheckpointError(self.directory, None, f"none of the {len(found)} checkpoints "
-                                  "is valid: " + "; ".join(map(str, self.skipped)) +
-                                  ". Move the damaged ones away to start from step 0")
+            raise CheckpointError(
+                self.directory,
+                None,
+                f"none of the {len(found)} checkpoints "
+                "is valid: "
+                + "; ".join(map(str, self.skipped))
+                + ". Move the damaged ones away to start from step 0",
+            )
         if self.is_coordinator:
             logger.info("no checkpoint in %s; starting from step 0", self.directory)
         return 0
 
-    def load(self, path: str | os.PathLike[str], *, allow_reshard: bool | None = None,
-             allow_numerics_change: bool | None = None) -> int:
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        allow_reshard: bool | None = None,
+        allow_numerics_change: bool | None = None,
+    ) -> int:
         """Load the checkpoint at ``path`` (a ``step-N`` directory); returns its step.
 
         ``allow_reshard`` and ``allow_numerics_change`` default to the config's.
@@ -399,15 +472,25 @@ class Checkpointer:
         checkpoint = Path(path).absolute()
         manifest = verify_on_ranks(checkpoint, self._group)
         return self._load(
-            checkpoint, manifest,
+            checkpoint,
+            manifest,
             self.config.allow_reshard if allow_reshard is None else allow_reshard,
-            self.config.allow_numerics_change if allow_numerics_change is None
-            else allow_numerics_change)
+            self.config.allow_numerics_change
+            if allow_numerics_change is None
+            else allow_numerics_change,
+        )
 
-    def _load(self, path: Path, manifest: Manifest, allow_reshard: bool,
-              allow_numerics_change: bool) -> int:
-        check_layout(path, manifest, describe_layout(self.pipe), allow_reshard,
-                     allow_numerics_change, log=self.is_coordinator)
+    def _load(
+        self, path: Path, manifest: Manifest, allow_reshard: bool, allow_numerics_change: bool
+    ) -> int:
+        check_layout(
+            path,
+            manifest,
+            describe_layout(self.pipe),
+            allow_reshard,
+            allow_numerics_change,
+            log=self.is_coordinator,
+        )
         metadata = FileSystemReader(path).read_metadata()
         state = self._state_to_load(metadata)
         problems = check_keys(state, metadata, self._group)
@@ -433,11 +516,14 @@ class Checkpointer:
         own = f"rng.rank{self.rank}."
         source = self.rank if any(k.startswith(own) for k in keys) else 0
         if source != self.rank:
-            logger.info("[rank %d] the checkpoint has no random state for this rank (it was "
-                        "saved on fewer ranks); restoring rank 0's", self.rank)
+            logger.info(
+                "[rank %d] the checkpoint has no random state for this rank (it was "
+                "saved on fewer ranks); restoring rank 0's",
+                self.rank,
+            )
         prefix = f"rng.rank{source}."
         self._random.source_rank = source
-        self._random.keys = {k[len(prefix):] for k in keys if k.startswith(prefix)}
+        self._random.keys = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
         return self._state()
 
     def _on_coordinator(self, fn: Callable[[], _T]) -> _T:
@@ -485,22 +571,32 @@ def _versions() -> dict[str, str]:
 
 
 def _check_stateful(value: Any, name: str) -> None:
-    if value is not None and not (callable(getattr(value, "state_dict", None))
-                                  and callable(getattr(value, "load_state_dict", None))):
-        raise TypeError(f"{name} must have state_dict() and load_state_dict() (a Stateful), "
-                        f"got {type(value).__name__}")
+    if value is not None and not (
+        callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    ):
+        raise TypeError(
+            f"{name} must have state_dict() and load_state_dict() (a Stateful), "
+            f"got {type(value).__name__}"
+        )
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None, module: torch.nn.Module) -> None:
     if optimizer is None:
         return
     known = {id(p) for p in module.parameters()}
-    foreign = [i for i, group in enumerate(optimizer.param_groups)
-               for p in group["params"] if id(p) not in known]
+    foreign = [
+        i
+        for i, group in enumerate(optimizer.param_groups)
+        for p in group["params"]
+        if id(p) not in known
+    ]
     if foreign:
-        raise ValueError(f"the optimizer holds {len(foreign)} parameters that are not this "
-                         "rank's pipeline parameters (param_groups "
-                         f"{sorted(set(foreign))}); build it over pipe.parameters()")
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameters that are not this "
+            "rank's pipeline parameters (param_groups "
+            f"{sorted(set(foreign))}); build it over pipe.parameters()"
+        )
 
 
 def _report_unfinished(reference: weakref.ref[Checkpointer]) -> None:
@@ -511,5 +607,8 @@ def _report_unfinished(reference: weakref.ref[Checkpointer]) -> None:
     try:
         checkpointer.wait()
     except Exception as error:
-        logger.error("the last checkpoint failed (call Checkpointer.close() to see this as "
-                     "an exception): %s", error)
+        logger.error(
+            "the last checkpoint failed (call Checkpointer.close() to see this as "
+            "an exception): %s",
+            error,
+        )

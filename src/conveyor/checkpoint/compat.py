@@ -25,41 +25,59 @@ logger = logging.getLogger(__name__)
 _SHOWN = 4
 
 
-def check_layout(path: Path, manifest: Manifest, now: dict[str, Any], allow_reshard: bool,
-                 allow_numerics_change: bool, log: bool = True) -> None:
+def check_layout(
+    path: Path,
+    manifest: Manifest,
+    now: dict[str, Any],
+    allow_reshard: bool,
+    allow_numerics_change: bool,
+    log: bool = True,
+) -> None:
     """Raise CheckpointError unless the layout ``now`` may load the checkpoint at ``path``:
     a change of split or placement needs ``allow_reshard``, a change of the arithmetic
     (schedule, micro-batches, loss reduction, seed) ``allow_numerics_change``."""
     saved = manifest.layout
-    layout = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in LAYOUT_FIELDS
-              if saved.get(f) != now[f]]
-    numerics = [f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in NUMERICS_FIELDS
-                if saved.get(f) != now[f]]
+    layout = [
+        f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in LAYOUT_FIELDS if saved.get(f) != now[f]
+    ]
+    numerics = [
+        f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in NUMERICS_FIELDS if saved.get(f) != now[f]
+    ]
     if not layout and not numerics and saved.get("program_sha256") != now["program_sha256"]:
         numerics.append("the schedule's program (same name, other actions)")
     if layout and not allow_reshard:
-        raise CheckpointError(path, MANIFEST, "configuration mismatch: this run splits or "
-                              f"places the model differently ({'; '.join(layout)}); pass "
-                              "allow_reshard=True to load it into this split (parameters, "
-                              "optimizer state and progress load bitwise)")
+        raise CheckpointError(
+            path,
+            MANIFEST,
+            "configuration mismatch: this run splits or "
+            f"places the model differently ({'; '.join(layout)}); pass "
+            "allow_reshard=True to load it into this split (parameters, "
+            "optimizer state and progress load bitwise)",
+        )
     if numerics and not allow_numerics_change:
-        raise CheckpointError(path, MANIFEST, "configuration mismatch: "
-                              f"{'; '.join(numerics)}; this changes the arithmetic (order of "
-                              "sums, loss scale or dropout streams), so later losses differ "
-                              "from the saved run's. Pass allow_numerics_change=True to load "
-                              "it anyway (the state itself loads bitwise)")
+        raise CheckpointError(
+            path,
+            MANIFEST,
+            "configuration mismatch: "
+            f"{'; '.join(numerics)}; this changes the arithmetic (order of "
+            "sums, loss scale or dropout streams), so later losses differ "
+            "from the saved run's. Pass allow_numerics_change=True to load "
+            "it anyway (the state itself loads bitwise)",
+        )
     if (layout or numerics) and log:
-        logger.info("loading %s into another configuration: %s", path,
-                    "; ".join(layout + numerics))
+        logger.info("loading %s into another configuration: %s", path, "; ".join(layout + numerics))
 
 
-def check_keys(state: dict[str, Any], metadata: Metadata,
-               group: dist.ProcessGroup | None) -> list[Problem]:
+def check_keys(
+    state: dict[str, Any], metadata: Metadata, group: dist.ProcessGroup | None
+) -> list[Problem]:
     """Problems every rank agrees on (a collective over ``group``): entries this run needs
     that the checkpoint lacks, model entries no rank of this run takes, and shape or dtype
     differences."""
-    values = {key: value.state_dict() if isinstance(value, Stateful) else value
-              for key, value in state.items()}
+    values = {
+        key: value.state_dict() if isinstance(value, Stateful) else value
+        for key, value in state.items()
+    }
     flat = flatten_state_dict(values)
     saved = metadata.state_dict_metadata
     missing = sorted(key for key in flat if key not in saved)
@@ -82,29 +100,50 @@ def check_keys(state: dict[str, Any], metadata: Metadata,
     return _problems(all_missing, all_differing, unused, sorted(saved))
 
 
-def _problems(missing: list[str], differing: list[str], unused: list[str],
-              saved: list[str]) -> list[Problem]:
+def _problems(
+    missing: list[str], differing: list[str], unused: list[str], saved: list[str]
+) -> list[Problem]:
     problems = []
     model_missing = [k for k in missing if k.startswith("model.")]
     if model_missing:
         held = [_name(k) for k in saved if k.startswith("model.")]
-        problems.append(Problem(METADATA, f"parameter-name mismatch: {len(model_missing)} of "
-                                f"this model's parameters and buffers are not in the checkpoint, "
-                                f"e.g. {_show(model_missing)}; it holds e.g. {held[:_SHOWN]}. It "
-                                "was saved from another model, or module names changed"))
+        problems.append(
+            Problem(
+                METADATA,
+                f"parameter-name mismatch: {len(model_missing)} of "
+                f"this model's parameters and buffers are not in the checkpoint, "
+                f"e.g. {_show(model_missing)}; it holds e.g. {held[:_SHOWN]}. It "
+                "was saved from another model, or module names changed",
+            )
+        )
     if unused:
-        problems.append(Problem(METADATA, f"parameter-name mismatch: the checkpoint holds "
-                                f"{len(unused)} parameters or buffers this model lacks, e.g. "
-                                f"{_show(unused)}; it was saved from another model"))
+        problems.append(
+            Problem(
+                METADATA,
+                f"parameter-name mismatch: the checkpoint holds "
+                f"{len(unused)} parameters or buffers this model lacks, e.g. "
+                f"{_show(unused)}; it was saved from another model",
+            )
+        )
     if differing:
-        problems.append(Problem(METADATA, "shape mismatch: " + "; ".join(differing[:_SHOWN]) +
-                                (f" (and {len(differing) - _SHOWN} more)"
-                                 if len(differing) > _SHOWN else "")))
+        problems.append(
+            Problem(
+                METADATA,
+                "shape mismatch: "
+                + "; ".join(differing[:_SHOWN])
+                + (f" (and {len(differing) - _SHOWN} more)" if len(differing) > _SHOWN else ""),
+            )
+        )
     other = [k for k in missing if not k.startswith("model.")]
     if other and not model_missing:  # else the optimizer misses those parameters' entries too
-        problems.append(Problem(METADATA, f"{len(other)} entries this run restores are not in "
-                                f"the checkpoint, e.g. {other[:_SHOWN]}: it was saved without "
-                                "(or with another kind of) optimizer, scheduler or data loader"))
+        problems.append(
+            Problem(
+                METADATA,
+                f"{len(other)} entries this run restores are not in "
+                f"the checkpoint, e.g. {other[:_SHOWN]}: it was saved without "
+                "(or with another kind of) optimizer, scheduler or data loader",
+            )
+        )
     return problems
 
 

@@ -19,9 +19,24 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
-    "FORMAT", "MANIFEST", "METADATA", "CheckpointError", "FileEntry", "Manifest", "Problem",
-    "check_files", "check_metadata", "file_entry", "fsync_dir", "list_checkpoints",
-    "raise_problems", "read_manifest", "remove_dir", "sha256_file", "step_dir_name", "verify",
+    "FORMAT",
+    "MANIFEST",
+    "METADATA",
+    "CheckpointError",
+    "FileEntry",
+    "Manifest",
+    "Problem",
+    "check_files",
+    "check_metadata",
+    "file_entry",
+    "fsync_dir",
+    "list_checkpoints",
+    "raise_problems",
+    "read_manifest",
+    "remove_dir",
+    "sha256_file",
+    "step_dir_name",
+    "verify",
 ]
 
 
@@ -104,10 +119,14 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     except FileNotFoundError:
         return []
     except OSError as error:
-        raise CheckpointError(directory, None, f"cannot list the checkpoint directory: "
-                              f"{error}") from error
-    found = [(int(m.group(1)), directory / name) for name in names
-             if (m := _STEP_DIR.match(name)) is not None]
+        raise CheckpointError(
+            directory, None, f"cannot list the checkpoint directory: {error}"
+        ) from error
+    found = [
+        (int(m.group(1)), directory / name)
+        for name in names
+        if (m := _STEP_DIR.match(name)) is not None
+    ]
     return sorted(found, reverse=True)
 
 
@@ -136,16 +155,21 @@ def read_manifest(path: Path) -> Manifest:
     try:
         text = (path / MANIFEST).read_text()
     except FileNotFoundError:
-        raise CheckpointError(path, MANIFEST, "missing; the checkpoint was never completed "
-                              "(conveyor writes the manifest last) or was not written by "
-                              "conveyor") from None
+        raise CheckpointError(
+            path,
+            MANIFEST,
+            "missing; the checkpoint was never completed "
+            "(conveyor writes the manifest last) or was not written by "
+            "conveyor",
+        ) from None
     except OSError as error:
         raise CheckpointError(path, MANIFEST, f"cannot be read: {error}") from error
     try:
         return Manifest.from_json(text)
     except (ValueError, TypeError, KeyError) as error:
-        raise CheckpointError(path, MANIFEST, f"is not a valid conveyor manifest ({error}); "
-                              "the file is damaged") from error
+        raise CheckpointError(
+            path, MANIFEST, f"is not a valid conveyor manifest ({error}); the file is damaged"
+        ) from error
 
 
 def _owner(name: str, entry: FileEntry) -> str:
@@ -166,9 +190,14 @@ def check_files(path: Path, manifest: Manifest, names: Iterable[str]) -> list[Pr
         try:
             size = (path / name).stat().st_size
             if size != entry.size:
-                problems.append(Problem(name, f"{owner} has {size} bytes but the manifest "
-                                        f"records {entry.size}: the file is "
-                                        f"{'truncated' if size < entry.size else 'damaged'}"))
+                problems.append(
+                    Problem(
+                        name,
+                        f"{owner} has {size} bytes but the manifest "
+                        f"records {entry.size}: the file is "
+                        f"{'truncated' if size < entry.size else 'damaged'}",
+                    )
+                )
                 continue
             digest = sha256_file(path / name)
         except FileNotFoundError:
@@ -178,9 +207,14 @@ def check_files(path: Path, manifest: Manifest, names: Iterable[str]) -> list[Pr
             problems.append(Problem(name, f"{owner} cannot be read: {error}"))
             continue
         if digest != entry.sha256:
-            problems.append(Problem(name, f"{owner} has changed since it was written (SHA-256 "
-                                    f"{digest[:12]}..., manifest {entry.sha256[:12]}...): "
-                                    "its bytes are damaged"))
+            problems.append(
+                Problem(
+                    name,
+                    f"{owner} has changed since it was written (SHA-256 "
+                    f"{digest[:12]}..., manifest {entry.sha256[:12]}...): "
+                    "its bytes are damaged",
+                )
+            )
     return problems
 
 
@@ -188,8 +222,13 @@ def check_metadata(path: Path, manifest: Manifest) -> tuple[Metadata | None, lis
     """Read the checkpoint's .metadata and check that every file it points to is listed in the
     manifest. Returns the metadata (None if unreadable) and the problems found."""
     if METADATA not in manifest.files:
-        return None, [Problem(METADATA, "is not listed in the manifest; the checkpoint was "
-                              "not written by this version of conveyor")]
+        return None, [
+            Problem(
+                METADATA,
+                "is not listed in the manifest; the checkpoint was "
+                "not written by this version of conveyor",
+            )
+        ]
     try:
         metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError:
@@ -199,8 +238,7 @@ def check_metadata(path: Path, manifest: Manifest) -> tuple[Metadata | None, lis
     problems = []
     referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
     for name in sorted(referenced - set(manifest.files)):
-        problems.append(Problem(name, "is referenced by .metadata but not listed in the "
-                                "manifest"))
+        problems.append(Problem(name, "is referenced by .metadata but not listed in the manifest"))
     return metadata, problems
 
 

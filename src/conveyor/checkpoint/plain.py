@@ -40,15 +40,18 @@ def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str,
     template: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if key.startswith(prefix):
-            template[key] = (torch.empty(entry.size, dtype=entry.properties.dtype)
-                             if isinstance(entry, TensorStorageMetadata) else None)
+            template[key] = (
+                torch.empty(entry.size, dtype=entry.properties.dtype)
+                if isinstance(entry, TensorStorageMetadata)
+                else None
+            )
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
             load(template, storage_reader=FileSystemReader(checkpoint), no_dist=True)
     except (Exception, CheckpointException) as error:
         raise CheckpointError(checkpoint, None, f"reading failed: {error}") from None
-    return {key[len(prefix):]: value for key, value in template.items()}
+    return {key[len(prefix) :]: value for key, value in template.items()}
 
 
 def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -68,14 +71,19 @@ def load_model(path: str | os.PathLike[str], model: nn.Module, strict: bool = Tr
     wanted = set(model.state_dict())
     missing, unused = sorted(wanted - set(state)), sorted(set(state) - wanted)
     if strict and (missing or unused):
-        raise CheckpointError(checkpoint, METADATA, f"parameter-name mismatch with "
-                              f"{type(model).__name__}: missing {missing[:4]}"
-                              f"{' ...' if len(missing) > 4 else ''}, not in the model "
-                              f"{unused[:4]}{' ...' if len(unused) > 4 else ''}; pass the model "
-                              "the checkpoint was saved from, or strict=False")
+        raise CheckpointError(
+            checkpoint,
+            METADATA,
+            f"parameter-name mismatch with "
+            f"{type(model).__name__}: missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}, not in the model "
+            f"{unused[:4]}{' ...' if len(unused) > 4 else ''}; pass the model "
+            "the checkpoint was saved from, or strict=False",
+        )
     try:
         model.load_state_dict(state, strict=strict)
     except RuntimeError as error:
-        raise CheckpointError(checkpoint, METADATA, f"cannot load into "
-                              f"{type(model).__name__}: {error}") from error
+        raise CheckpointError(
+            checkpoint, METADATA, f"cannot load into {type(model).__name__}: {error}"
+        ) from error
     return read_manifest(checkpoint)

@@ -20,8 +20,14 @@ from torch.distributed.checkpoint.state_dict import (
 from conveyor.pipeline import Pipeline
 
 __all__ = [
-    "LAYOUT_FIELDS", "NUMERICS_FIELDS", "ModelState", "OptimizerState", "Progress",
-    "RandomState", "describe_layout", "rank_module",
+    "LAYOUT_FIELDS",
+    "NUMERICS_FIELDS",
+    "ModelState",
+    "OptimizerState",
+    "Progress",
+    "RandomState",
+    "describe_layout",
+    "rank_module",
 ]
 
 
@@ -123,7 +129,7 @@ class OptimizerState:
             for first, others in aliases.items():
                 if rest.startswith(first + "."):
                     for other in others:
-                        state[f"{section}.{other}{rest[len(first):]}"] = value
+                        state[f"{section}.{other}{rest[len(first) :]}"] = value
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -140,9 +146,13 @@ class OptimizerState:
     def _hyperparameters(self) -> dict[str, Any]:
         """``param_groups.<name>.<key>`` entries, as the flattened helper writes them."""
         names = {id(p): name for name, p in self.module.named_parameters()}
-        return {f"param_groups.{names[id(p)]}.{key}": value
-                for group in self.optimizer.param_groups for p in group["params"]
-                for key, value in group.items() if key != "params"}
+        return {
+            f"param_groups.{names[id(p)]}.{key}": value
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            for key, value in group.items()
+            if key != "params"
+        }
 
 
 class RandomState:

@@ -29,8 +29,9 @@ class Writer(FileSystemWriter):
     """
 
     def __init__(self, path: Path, rank: int, step: int) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1,
-                         overwrite=False)
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False
+        )
         self.files_fs = _FileSystem(step)
         self.fs = self.files_fs
         self.conveyor_rank = rank
@@ -44,8 +45,10 @@ class Writer(FileSystemWriter):
         except Exception as error:
             current = self.files_fs.current
             doing = f"writing {current}" if current else "writing its data"
-            raise RuntimeError(f"rank {self.conveyor_rank}: {doing} in {self.path}: "
-                               f"{type(error).__name__}: {error}") from error
+            raise RuntimeError(
+                f"rank {self.conveyor_rank}: {doing} in {self.path}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         names = sorted({result.storage_data.relative_path for result in results})
         root = Path(self.path)
         self.files = {name: file_entry(root / name, self.conveyor_rank) for name in names}

@@ -1,7 +1,7 @@
 """Command-line flags made from config dataclasses: one flag per field, help from its docstring.
 
-    add_dataclass_flags(parser, PipelineConfig)             # --num-microbatches, --schedule, ...
-    config = build_dataclass(PipelineConfig, args, toml)    # TOML values, then the flags given
+add_dataclass_flags(parser, PipelineConfig)             # --num-microbatches, --schedule, ...
+config = build_dataclass(PipelineConfig, args, toml)    # TOML values, then the flags given
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 __all__: list[str] = []
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type,
-                        skip: Sequence[str] = ()) -> None:
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()
+) -> None:
     """One ``--field-name`` flag per dataclass field (but ``skip``); help comes from the
     field's docstring."""
     docs = field_docs(cls)
@@ -36,11 +37,13 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type,
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{docs.get(field.name, '')} (default: {default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
-            parser.add_argument(flag, type=kind, nargs=nargs, choices=choices, default=None,
-                                help=help_text)
+            parser.add_argument(
+                flag, type=kind, nargs=nargs, choices=choices, default=None, help=help_text
+            )
 
 
 def build_dataclass(cls: type, args: argparse.Namespace, values: Mapping[str, Any]) -> Any:
@@ -80,8 +83,12 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(inspect.getsource(klass))
         body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition
         for field, doc in itertools.pairwise(body):
-            if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
-                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+            ):
                 # argparse formats help with %: a literal one must be doubled
                 docs[field.target.id] = " ".join(str(doc.value.value).split()).replace("%", "%%")
     return docs

@@ -30,8 +30,14 @@ RUN_OPTIONS: dict[str, tuple[str, str, Callable[[str], None] | None]] = {
 }
 """conveyor run's own options: flag -> (environment variable, value name, check)."""
 
-_MULTI_NODE = ("--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr",
-               "--nnodes", "--standalone")
+_MULTI_NODE = (
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--master-addr",
+    "--master_addr",
+    "--nnodes",
+    "--standalone",
+)
 
 
 def take_run_options(tokens: Sequence[str]) -> list[str]:
@@ -76,8 +82,10 @@ def torchrun(arguments: list[str]) -> int:
     if int(launch.nproc_per_node) < 1:
         raise ValueError(f"-n must be >= 1, got {launch.nproc_per_node}")
     if not launch.module and not Path(launch.training_script).is_file():
-        raise FileNotFoundError(f"script {launch.training_script!r} not found; usage: conveyor "
-                                "run [-n N] [torchrun options] script.py [script args]")
+        raise FileNotFoundError(
+            f"script {launch.training_script!r} not found; usage: conveyor "
+            "run [-n N] [torchrun options] script.py [script args]"
+        )
     if launch.max_restarts:
         # a restarted group must not rendezvous through the store the lost one used: its stale
         # addresses make gloo connect to dead ports (pytorch/pytorch#135712)
@@ -87,12 +95,19 @@ def torchrun(arguments: list[str]) -> int:
     except ChildFailedError as error:  # each rank's own error is printed above
         rank, failure = error.get_first_failure()
         cause = failure.signal_name() if failure.exitcode < 0 else "an exception, see above"
-        restarts = (f"no restarts left (--max-restarts {launch.max_restarts} used up)"
-                    if launch.max_restarts
-                    else "no restarts: pass --max-restarts N (and save with a Checkpointer) "
-                    "to resume")
-        logger.error("rank %d (local rank %d) failed first: exit code %d (%s); %s", rank,
-                     failure.local_rank, failure.exitcode, cause, restarts)
+        restarts = (
+            f"no restarts left (--max-restarts {launch.max_restarts} used up)"
+            if launch.max_restarts
+            else "no restarts: pass --max-restarts N (and save with a Checkpointer) to resume"
+        )
+        logger.error(
+            "rank %d (local rank %d) failed first: exit code %d (%s); %s",
+            rank,
+            failure.local_rank,
+            failure.exitcode,
+            cause,
+            restarts,
+        )
         return 1
     except Exception as error:
         logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)

@@ -1,17 +1,16 @@
 """The `conveyor` command: argparse -> configs -> calls into the modules; no logic of its own.
 
-    conveyor demo                                   # train a GPT on 2 local ranks
-    conveyor run -n 2 train.py --lr 1e-3            # any script, under torchrun
-    conveyor simulate --schedule 1f1b --stages 4 --microbatches 8
-    conveyor run --trace runs/t -n 2 train.py; conveyor trace runs/t    # a measured timeline
-    conveyor plan --model gpt --ranks 2 --memory 1GiB --batch-size 32 --out plan.json
+conveyor demo                                   # train a GPT on 2 local ranks
+conveyor run -n 2 train.py --lr 1e-3            # any script, under torchrun
+conveyor simulate --schedule 1f1b --stages 4 --microbatches 8
+conveyor run --trace runs/t -n 2 train.py; conveyor trace runs/t    # a measured timeline
+conveyor plan --model gpt --ranks 2 --memory 1GiB --batch-size 32 --out plan.json
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,14 +42,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="conveyor", description="Pipeline-parallel training: run scripts on N ranks, "
-        "train the demo, simulate schedules, plan a configuration, render timelines.")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+        prog="conveyor",
+        description="Pipeline-parallel training: run scripts on N ranks, "
+        "train the demo, simulate schedules, plan a configuration, render timelines.",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     run = commands.add_parser(
-        "run", help="run a script on N local ranks under torchrun",
+        "run",
+        help="run a script on N local ranks under torchrun",
         description="Start a script on every rank with torchrun. Options before the script are "
         "torchrun's (--nnodes, --node-rank, --rdzv-endpoint, --max-restarts, ...), plus -n N "
         "for --nproc-per-node (default 2); without a rendezvous endpoint the ranks run on this "
@@ -60,36 +63,60 @@ def _parser() -> argparse.ArgumentParser:
         "saves and resumes from (with --max-restarts N, a lost rank restarts them all, and "
         "they resume from the newest valid checkpoint).",
         usage="conveyor run [-n N] [torchrun options] script.py [script args]",
-        prefix_chars="+", add_help=False)  # every token goes to torchrun's own parser
-    run.add_argument("torchrun_args", nargs=argparse.REMAINDER,
-                     help="[-n N] [torchrun options] script.py [script args]")
+        prefix_chars="+",
+        add_help=False,
+    )  # every token goes to torchrun's own parser
+    run.add_argument(
+        "torchrun_args",
+        nargs=argparse.REMAINDER,
+        help="[-n N] [torchrun options] script.py [script args]",
+    )
     run.set_defaults(command=_run, run_parser=run)
 
     demo = commands.add_parser("demo", help="train the shipped GPT, pipelined over local ranks")
     demo.add_argument("--config", type=Path, help="TOML file with demo and pipeline fields")
-    demo.add_argument("--trace", metavar="DIR", dest="trace_dir", default=None,
-                      help="record every step's timeline to DIR and render the last one "
-                      "(DIR/timeline.png, DIR/trace.json)")
+    demo.add_argument(
+        "--trace",
+        metavar="DIR",
+        dest="trace_dir",
+        default=None,
+        help="record every step's timeline to DIR and render the last one "
+        "(DIR/timeline.png, DIR/trace.json)",
+    )
     add_dataclass_flags(demo, DemoConfig)
     add_dataclass_flags(demo, PipelineConfig, skip=("trace", "trace_dir"))
     demo.set_defaults(command=_demo)
 
     add_tool_commands(commands)
 
-    simulate = commands.add_parser("simulate", help="print a schedule's Program as a "
-                                   "rank x time grid, without starting processes")
-    simulate.add_argument("--schedule", default="1f1b",
-                          help=f"one of {sorted(SCHEDULES)}, or a schedule file")
-    simulate.add_argument("--stages", type=int, default=4,
-                          help="pipeline ranks, each holding --virtual-stages stages")
-    simulate.add_argument("--virtual-stages", type=int, default=None,
-                          help="stages per rank (default: the schedule's: 2 for "
-                          "interleaved-1f1b and zb-v, else 1)")
-    simulate.add_argument("--placement", choices=PLACEMENT_STYLES, default=None,
-                          help="how stages share ranks: loop or v (default: the schedule's)")
+    simulate = commands.add_parser(
+        "simulate",
+        help="print a schedule's Program as a rank x time grid, without starting processes",
+    )
+    simulate.add_argument(
+        "--schedule", default="1f1b", help=f"one of {sorted(SCHEDULES)}, or a schedule file"
+    )
+    simulate.add_argument(
+        "--stages", type=int, default=4, help="pipeline ranks, each holding --virtual-stages stages"
+    )
+    simulate.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per rank (default: the schedule's: 2 for interleaved-1f1b and zb-v, else 1)",
+    )
+    simulate.add_argument(
+        "--placement",
+        choices=PLACEMENT_STYLES,
+        default=None,
+        help="how stages share ranks: loop or v (default: the schedule's)",
+    )
     simulate.add_argument("--microbatches", type=int, default=8)
-    simulate.add_argument("--actions", action="store_true",
-                          help="also print every rank's actions, sends and receives included")
+    simulate.add_argument(
+        "--actions",
+        action="store_true",
+        help="also print every rank's actions, sends and receives included",
+    )
     add_simulate_flags(simulate)
     simulate.set_defaults(command=_simulate)
     return parser
@@ -106,29 +133,29 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     values = read_toml(args.config) if args.config else {}
     demo = build_dataclass(DemoConfig, args, values)
     pipeline = build_dataclass(PipelineConfig, args, values)
-    return torchrun(["--nproc-per-node", str(demo.ranks), "-m", "conveyor.demo",
-                      *worker_args(demo, pipeline)])
+    return torchrun(
+        ["--nproc-per-node", str(demo.ranks), "-m", "conveyor.demo", *worker_args(demo, pipeline)]
+    )
 
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.profile is not None:  # a profiled model: predicted time and memory
         return simulate_profile(args)
-    placement = stage_placement(args.schedule, args.stages, virtual_stages=args.virtual_stages,
-                                style=args.placement)
+    placement = stage_placement(
+        args.schedule, args.stages, virtual_stages=args.virtual_stages, style=args.placement
+    )
     num_stages = len(placement)
     graph = chain(num_stages, placement=placement)
     program = build_program(args.schedule, graph, args.microbatches)
     timeline = simulate(program, graph)
     print(render_grid(timeline))
-    print(f"schedule={args.schedule} ranks={args.stages} stages={num_stages} "
-          f"microbatches={args.microbatches} step={timeline.step_time:g} units "
-          f"(per stage F=1, B=2 or I=1 + W=1) bubble={timeline.bubble_fraction:.1%} "
-          f"peak activations={[alive_peak(actions) for actions in program]} "
-          "(stage, micro-batch) sets per rank")
+    print(
+        f"schedule={args.schedule} ranks={args.stages} stages={num_stages} "
+        f"microbatches={args.microbatches} step={timeline.step_time:g} units "
+        f"(per stage F=1, B=2 or I=1 + W=1) bubble={timeline.bubble_fraction:.1%} "
+        f"peak activations={[alive_peak(actions) for actions in program]} "
+        "(stage, micro-batch) sets per rank"
+    )
     if args.actions:
         print("\n".join(f"rank {r}: {' '.join(map(str, a))}" for r, a in enumerate(program)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

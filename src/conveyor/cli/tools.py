@@ -30,113 +30,190 @@ from conveyor.trace import Timeline, load_run, write_chrome, write_png
 
 __all__: list[str] = []
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1e9' -> bytes."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read the memory size {text!r}; write a number of bytes with "
-                         "an optional unit: 2GiB, 512MiB, 1.5GB")
+        raise ValueError(
+            f"cannot read the memory size {text!r}; write a number of bytes with "
+            "an optional unit: 2GiB, 512MiB, 1.5GB"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def add_tool_commands(commands: Any) -> None:
     """Add the ``plan`` and ``trace`` subcommands to the ``conveyor`` parser."""
     planner = commands.add_parser(
-        "plan", help="profile a model and find the fastest pipeline plan that fits",
+        "plan",
+        help="profile a model and find the fastest pipeline plan that fits",
         description="Profile the model once (and the link between two local ranks), search "
         "split x schedule x micro-batches x checkpointing with the simulator, print the top "
-        "plans and write the winner for Pipeline(plan=...) / conveyor run --plan.")
-    planner.add_argument("--model", required=True,
-                         help="an example name (gpt, unbalanced, ...) or package.module:function "
-                         "returning a conveyor.profile.Workload")
+        "plans and write the winner for Pipeline(plan=...) / conveyor run --plan.",
+    )
+    planner.add_argument(
+        "--model",
+        required=True,
+        help="an example name (gpt, unbalanced, ...) or package.module:function "
+        "returning a conveyor.profile.Workload",
+    )
     planner.add_argument("--ranks", type=int, required=True, help="pipeline ranks")
-    planner.add_argument("--memory", type=parse_bytes, required=True,
-                         help="memory budget per rank, e.g. 2GiB")
+    planner.add_argument(
+        "--memory", type=parse_bytes, required=True, help="memory budget per rank, e.g. 2GiB"
+    )
     planner.add_argument("--batch-size", type=int, required=True, help="samples per step")
-    planner.add_argument("--schedules", nargs="+", default=None,
-                         help="schedules to consider (default: every registered one)")
-    planner.add_argument("--microbatches", type=int, nargs="+", default=None,
-                         help="micro-batch counts to consider (default: divisors of the batch)")
-    planner.add_argument("--balance-by", nargs="+", default=["time", "memory", "both", "even"],
-                         choices=["time", "memory", "both", "even"],
-                         help="split objectives to try (default: all)")
-    planner.add_argument("--no-checkpointing", action="store_true",
-                         help="never recompute activations")
+    planner.add_argument(
+        "--schedules",
+        nargs="+",
+        default=None,
+        help="schedules to consider (default: every registered one)",
+    )
+    planner.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="micro-batch counts to consider (default: divisors of the batch)",
+    )
+    planner.add_argument(
+        "--balance-by",
+        nargs="+",
+        default=["time", "memory", "both", "even"],
+        choices=["time", "memory", "both", "even"],
+        help="split objectives to try (default: all)",
+    )
+    planner.add_argument(
+        "--no-checkpointing", action="store_true", help="never recompute activations"
+    )
     planner.add_argument("--profile", type=Path, help="reuse a saved profile instead of measuring")
     planner.add_argument("--save-profile", type=Path, help="write the measured profile here")
-    planner.add_argument("--no-link", action="store_true",
-                         help="profile in this process only: do not start two local ranks to "
-                         "measure runtime overheads and the link and to fit the profile to a "
-                         "traced run (the prediction then leaves them out)")
+    planner.add_argument(
+        "--no-link",
+        action="store_true",
+        help="profile in this process only: do not start two local ranks to "
+        "measure runtime overheads and the link and to fit the profile to a "
+        "traced run (the prediction then leaves them out)",
+    )
     planner.add_argument("--out", type=Path, help="write the best plan to this file")
     planner.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
     planner.set_defaults(command=_plan)
 
     tracer = commands.add_parser(
-        "trace", help="render a run recorded with --trace DIR",
+        "trace",
+        help="render a run recorded with --trace DIR",
         description="Load the per-rank files of a traced run, print each rank's busy, bubble and "
-        "communication-wait shares, and write a PNG Gantt chart and a Chrome/Perfetto trace.")
+        "communication-wait shares, and write a PNG Gantt chart and a Chrome/Perfetto trace.",
+    )
     tracer.add_argument("directory", type=Path, help="the run's trace directory")
-    tracer.add_argument("--step", type=int, default=None,
-                        help="step to render (default: the last one every rank recorded)")
+    tracer.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="step to render (default: the last one every rank recorded)",
+    )
     tracer.add_argument("--png", type=Path, help="Gantt chart (default: DIR/timeline.png)")
     tracer.add_argument("--chrome", type=Path, help="trace JSON (default: DIR/trace.json)")
-    tracer.add_argument("--compare", type=Path,
-                        help="a predicted timeline (conveyor simulate --save-timeline) to draw "
-                        "beneath the measured one")
+    tracer.add_argument(
+        "--compare",
+        type=Path,
+        help="a predicted timeline (conveyor simulate --save-timeline) to draw "
+        "beneath the measured one",
+    )
     tracer.set_defaults(command=_trace)
 
 
 def add_simulate_flags(simulate: argparse.ArgumentParser) -> None:
     """Flags of ``conveyor simulate`` that predict a profiled model instead of unit costs."""
-    simulate.add_argument("--profile", type=Path,
-                          help="predict with a saved profile (conveyor plan --save-profile) "
-                          "instead of unit costs")
-    simulate.add_argument("--balance", type=int, nargs="+",
-                          help="with --profile: units per stage (default: even)")
-    simulate.add_argument("--batch-size", type=int,
-                          help="with --profile: samples per step (default: micro-batches x the "
-                          "profile's smallest micro-batch size)")
-    simulate.add_argument("--checkpoint", nargs="+", default=["never"],
-                          choices=RECOMPUTE_MODES,
-                          help="with --profile: activation checkpointing, one mode or one per "
-                          "stage")
+    simulate.add_argument(
+        "--profile",
+        type=Path,
+        help="predict with a saved profile (conveyor plan --save-profile) instead of unit costs",
+    )
+    simulate.add_argument(
+        "--balance", type=int, nargs="+", help="with --profile: units per stage (default: even)"
+    )
+    simulate.add_argument(
+        "--batch-size",
+        type=int,
+        help="with --profile: samples per step (default: micro-batches x the "
+        "profile's smallest micro-batch size)",
+    )
+    simulate.add_argument(
+        "--checkpoint",
+        nargs="+",
+        default=["never"],
+        choices=RECOMPUTE_MODES,
+        help="with --profile: activation checkpointing, one mode or one per stage",
+    )
     simulate.add_argument("--png", type=Path, help="with --profile: write the Gantt chart")
     simulate.add_argument("--chrome", type=Path, help="with --profile: write a Chrome trace")
-    simulate.add_argument("--save-timeline", type=Path,
-                          help="with --profile: write the predicted timeline (for conveyor "
-                          "trace --compare)")
+    simulate.add_argument(
+        "--save-timeline",
+        type=Path,
+        help="with --profile: write the predicted timeline (for conveyor trace --compare)",
+    )
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     workload = load_workload(args.model)
     profile = Profile.load(args.profile) if args.profile else None
     if profile is None and not args.no_link:
-        profile = measured_profile(workload, args.ranks, args.batch_size, args.microbatches,
-                                   args.schedules, spec=args.model)
-    report = plan(workload, args.ranks, args.memory, args.batch_size, profile=profile,
-                  schedules=args.schedules, microbatches=args.microbatches,
-                  objectives=args.balance_by, checkpointing=not args.no_checkpointing)
+        profile = measured_profile(
+            workload,
+            args.ranks,
+            args.batch_size,
+            args.microbatches,
+            args.schedules,
+            spec=args.model,
+        )
+    report = plan(
+        workload,
+        args.ranks,
+        args.memory,
+        args.batch_size,
+        profile=profile,
+        schedules=args.schedules,
+        microbatches=args.microbatches,
+        objectives=args.balance_by,
+        checkpointing=not args.no_checkpointing,
+    )
     if args.save_profile:
         report.profile.save(args.save_profile)
-    print(f"{report.profile.model} on {args.ranks} ranks, batch {args.batch_size}, budget "
-          f"{args.memory / 2**30:.2f} GiB per rank: {len(report.plans)} plans simulated in "
-          f"{report.elapsed_s:.1f} s")
+    print(
+        f"{report.profile.model} on {args.ranks} ranks, batch {args.batch_size}, budget "
+        f"{args.memory / 2**30:.2f} GiB per rank: {len(report.plans)} plans simulated in "
+        f"{report.elapsed_s:.1f} s"
+    )
     print(report.table(args.top))
     for note in report.notes:
         print(f"skipped {note}")
     best = report.best  # raises ValueError (exit 2) with the smallest memory any plan needs
-    print(f"best: {best.schedule}, {best.num_microbatches} micro-batches, stages of "
-          f"{list(best.balance)} units, checkpointing {list(best.checkpoint)}: "
-          f"{best.step_time * 1e3:.2f} ms/step, {best.samples_per_s:.1f} samples/s")
+    print(
+        f"best: {best.schedule}, {best.num_microbatches} micro-batches, stages of "
+        f"{list(best.balance)} units, checkpointing {list(best.checkpoint)}: "
+        f"{best.step_time * 1e3:.2f} ms/step, {best.samples_per_s:.1f} samples/s"
+    )
     if args.out:
         report.write(args.out)
-        print(f"wrote {args.out}: use Pipeline(model, plan={str(args.out)!r}) or "
-              f"conveyor run --plan {args.out} -n {args.ranks} train.py")
+        print(
+            f"wrote {args.out}: use Pipeline(model, plan={str(args.out)!r}) or "
+            f"conveyor run --plan {args.out} -n {args.ranks} train.py"
+        )
     return 0
 
 
@@ -157,13 +234,16 @@ def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def simulate_profile(args: argparse.Namespace) -> int:
     """``conveyor simulate --profile``: predict one configuration of a profiled model."""
     profile = Profile.load(args.profile)
-    placement = stage_placement(args.schedule, args.stages, virtual_stages=args.virtual_stages,
-                                style=args.placement)
+    placement = stage_placement(
+        args.schedule, args.stages, virtual_stages=args.virtual_stages, style=args.placement
+    )
     num_stages = len(placement)
     balance = args.balance or even_balance(profile.num_units, num_stages)
     if len(balance) != num_stages:
-        raise ValueError(f"--balance has {len(balance)} stages; {args.stages} ranks need "
-                         f"{num_stages} stages for {args.schedule}")
+        raise ValueError(
+            f"--balance has {len(balance)} stages; {args.stages} ranks need "
+            f"{num_stages} stages for {args.schedule}"
+        )
     m = args.microbatches
     batch = args.batch_size or m * profile.microbatch_sizes[0]
     graph, units = layout(profile, split_units(profile.num_units, balance), placement)
@@ -172,12 +252,16 @@ def simulate_profile(args: argparse.Namespace) -> int:
     prediction = predict(program, graph, ProfileCost(profile, graph, units, batch / m, m, modes))
     prediction.timeline.meta["schedule"] = args.schedule
     print(prediction.timeline.summary_text())
-    print(f"predicted: {prediction.step_time * 1e3:.2f} ms/step, "
-          f"{batch / prediction.step_time:.1f} samples/s, bubble "
-          f"{prediction.bubble_fraction:.1%}")
+    print(
+        f"predicted: {prediction.step_time * 1e3:.2f} ms/step, "
+        f"{batch / prediction.step_time:.1f} samples/s, bubble "
+        f"{prediction.bubble_fraction:.1%}"
+    )
     for rank in range(args.stages):
-        print(f"  rank {rank}: peak activations {prediction.peak_activation[rank] / 2**20:.2f} "
-              f"MiB, total {prediction.total_memory[rank] / 2**20:.2f} MiB")
+        print(
+            f"  rank {rank}: peak activations {prediction.peak_activation[rank] / 2**20:.2f} "
+            f"MiB, total {prediction.total_memory[rank] / 2**20:.2f} MiB"
+        )
     if args.png:
         write_png(args.png, prediction.timeline)
     if args.chrome:

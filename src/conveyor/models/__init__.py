@@ -16,8 +16,24 @@ from conveyor.models.multimodal import TwoTower, classification_loss, multimodal
 from conveyor.models.unet import segmentation_batches, segmentation_loss, unet
 
 __all__ = [
-    "DLRM", "Block", "Embedding", "Head", "TwoTower", "char_corpus", "char_ids",
-    "classification_loss", "click_batches", "click_loss", "dlrm", "gpt", "gpt_loss",
-    "multimodal_batches", "segmentation_batches", "segmentation_loss", "text_batches",
-    "two_tower", "unet", "unigram_entropy",
+    "DLRM",
+    "Block",
+    "Embedding",
+    "Head",
+    "TwoTower",
+    "char_corpus",
+    "char_ids",
+    "classification_loss",
+    "click_batches",
+    "click_loss",
+    "dlrm",
+    "gpt",
+    "gpt_loss",
+    "multimodal_batches",
+    "segmentation_batches",
+    "segmentation_loss",
+    "text_batches",
+    "two_tower",
+    "unet",
+    "unigram_entropy",
 ]

@@ -36,8 +36,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, table_sizes: Sequence[int], dim: int) -> None:
         super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(size, dim, mode="sum")
-                                    for size in table_sizes)
+        self.tables = nn.ModuleList(nn.EmbeddingBag(size, dim, mode="sum") for size in table_sizes)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         return torch.stack([table(sparse[:, t]) for t, table in enumerate(self.tables)], dim=1)
@@ -50,8 +49,14 @@ class DLRM(nn.Module):
     embedded features (the pairs are a buffer) and appends the dense vector.
     """
 
-    def __init__(self, num_dense: int, table_sizes: Sequence[int], dim: int,
-                 bottom: Sequence[int], top: Sequence[int]) -> None:
+    def __init__(
+        self,
+        num_dense: int,
+        table_sizes: Sequence[int],
+        dim: int,
+        bottom: Sequence[int],
+        top: Sequence[int],
+    ) -> None:
         super().__init__()
         self.bottom = mlp([num_dense, *bottom, dim])
         self.embeddings = Embeddings(table_sizes, dim)
@@ -71,8 +76,14 @@ class DLRM(nn.Module):
         return logits.squeeze(-1)
 
 
-def dlrm(num_dense: int = 13, num_tables: int = 8, table_size: int = 1000, dim: int = 16,
-         bottom: Sequence[int] = (64, 32), top: Sequence[int] = (64, 32)) -> DLRM:
+def dlrm(
+    num_dense: int = 13,
+    num_tables: int = 8,
+    table_size: int = 1000,
+    dim: int = 16,
+    bottom: Sequence[int] = (64, 32),
+    top: Sequence[int] = (64, 32),
+) -> DLRM:
     """A small DLRM: ``num_tables`` tables of ``table_size`` rows, width ``dim``."""
     return DLRM(num_dense, [table_size] * num_tables, dim, bottom, top)
 
@@ -82,10 +93,16 @@ def click_loss(logits: torch.Tensor, clicks: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, clicks)
 
 
-def click_batches(batch_size: int, num_batches: int, num_dense: int = 13, num_tables: int = 8,
-                  table_size: int = 1000, bag: int = 4, seed: int = 0,
-                  dtype: torch.dtype = torch.float32,
-                  ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+def click_batches(
+    batch_size: int,
+    num_batches: int,
+    num_dense: int = 13,
+    num_tables: int = 8,
+    table_size: int = 1000,
+    bag: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """((dense, sparse), clicks) batches from a hidden logistic model of both kinds of input,
     so the model can learn them; the same arguments give the same batches."""
     generator = torch.Generator().manual_seed(seed)
@@ -97,6 +114,6 @@ def click_batches(batch_size: int, num_batches: int, num_dense: int = 13, num_ta
         sparse = torch.randint(0, table_size, (batch_size, num_tables, bag), generator=generator)
         score = dense @ dense_weights / num_dense**0.5
         score += row_weights[torch.arange(num_tables)[None, :, None], sparse].sum((1, 2)) / bag
-        clicks = (torch.rand(batch_size, generator=generator) < torch.sigmoid(score))
+        clicks = torch.rand(batch_size, generator=generator) < torch.sigmoid(score)
         batches.append(((dense.to(dtype), sparse), clicks.to(dtype)))
     return batches

@@ -11,7 +11,14 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 __all__ = [
-    "Block", "Embedding", "Head", "char_corpus", "char_ids", "gpt", "gpt_loss", "text_batches",
+    "Block",
+    "Embedding",
+    "Head",
+    "char_corpus",
+    "char_ids",
+    "gpt",
+    "gpt_loss",
+    "text_batches",
     "unigram_entropy",
 ]
 
@@ -78,8 +85,15 @@ class Head(nn.Module):
         return logits
 
 
-def gpt(vocab_size: int = 96, seq_len: int = 64, dim: int = 64, num_layers: int = 4,
-        num_heads: int = 4, dropout: float = 0.1, tie_embeddings: bool = False) -> nn.Sequential:
+def gpt(
+    vocab_size: int = 96,
+    seq_len: int = 64,
+    dim: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    dropout: float = 0.1,
+    tie_embeddings: bool = False,
+) -> nn.Sequential:
     """A GPT as an nn.Sequential: embedding, ``num_layers`` blocks, head (``num_layers + 2``
     layers), so ``balance`` can split it anywhere."""
     embedding = Embedding(vocab_size, seq_len, dim, dropout)
@@ -88,7 +102,7 @@ def gpt(vocab_size: int = 96, seq_len: int = 64, dim: int = 64, num_layers: int 
     if tie_embeddings:  # one Parameter object: the output projection is the token table
         head.out.weight = embedding.tokens.weight
         # N(0, 1) rows would make logits of size sqrt(dim); keep them of order one
-        nn.init.normal_(embedding.tokens.weight, std=dim ** -0.5)
+        nn.init.normal_(embedding.tokens.weight, std=dim**-0.5)
     return nn.Sequential(embedding, *blocks, head)
 
 
@@ -117,8 +131,9 @@ def unigram_entropy(vocab_size: int = 96) -> float:
     return float(-(p * p.log()).sum())
 
 
-def text_batches(batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 96,
-                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def text_batches(
+    batch_size: int, seq_len: int, num_batches: int, vocab_size: int = 96, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, next-token targets) batches of printable characters from ``char_corpus``.
 
     Characters map to ``ord(c) - 32`` clipped to the vocabulary; windows start at random
@@ -129,6 +144,6 @@ def text_batches(batch_size: int, seq_len: int, num_batches: int, vocab_size: in
     batches = []
     for _ in range(num_batches):
         starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=generator)
-        windows = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])
+        windows = torch.stack([ids[s : s + seq_len + 1] for s in starts.tolist()])
         batches.append((windows[:, :-1], windows[:, 1:]))
     return batches

@@ -15,8 +15,16 @@ from torch import nn
 
 from conveyor.models.gpt import Block
 
-__all__ = ["EncoderBlock", "FusionHead", "ImageTower", "TextTower", "TwoTower",
-           "classification_loss", "multimodal_batches", "two_tower"]
+__all__ = [
+    "EncoderBlock",
+    "FusionHead",
+    "ImageTower",
+    "TextTower",
+    "TwoTower",
+    "classification_loss",
+    "multimodal_batches",
+    "two_tower",
+]
 
 
 class EncoderBlock(Block):
@@ -38,13 +46,21 @@ def _pool(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 class TextTower(nn.Module):
     """Token and position embeddings, encoder blocks, masked mean pooling."""
 
-    def __init__(self, vocab_size: int, seq_len: int, dim: int, num_layers: int,
-                 num_heads: int, dropout: float) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        dim: int,
+        num_layers: int,
+        num_heads: int,
+        dropout: float,
+    ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim)
         self.positions = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
-        self.blocks = nn.ModuleList(EncoderBlock(dim, num_heads, dropout)
-                                    for _ in range(num_layers))
+        self.blocks = nn.ModuleList(
+            EncoderBlock(dim, num_heads, dropout) for _ in range(num_layers)
+        )
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,13 +73,21 @@ class TextTower(nn.Module):
 class ImageTower(nn.Module):
     """Patch projection and position embeddings, encoder blocks, mean pooling."""
 
-    def __init__(self, patch_dim: int, num_patches: int, dim: int, num_layers: int,
-                 num_heads: int, dropout: float) -> None:
+    def __init__(
+        self,
+        patch_dim: int,
+        num_patches: int,
+        dim: int,
+        num_layers: int,
+        num_heads: int,
+        dropout: float,
+    ) -> None:
         super().__init__()
         self.patches = nn.Linear(patch_dim, dim)
         self.positions = nn.Parameter(torch.randn(num_patches, dim) * 0.02)
-        self.blocks = nn.ModuleList(EncoderBlock(dim, num_heads, dropout)
-                                    for _ in range(num_layers))
+        self.blocks = nn.ModuleList(
+            EncoderBlock(dim, num_heads, dropout) for _ in range(num_layers)
+        )
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
@@ -94,19 +118,31 @@ class TwoTower(nn.Module):
         self.image = image
         self.head = head
 
-    def forward(self, tokens: torch.Tensor, patches: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, patches: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         logits: torch.Tensor = self.head(self.text(tokens, mask), self.image(patches))
         return logits
 
 
-def two_tower(vocab_size: int = 64, seq_len: int = 16, num_patches: int = 32,
-              patch_dim: int = 48, dim: int = 64, text_layers: int = 4, image_layers: int = 2,
-              num_heads: int = 4, num_classes: int = 4, dropout: float = 0.0) -> TwoTower:
+def two_tower(
+    vocab_size: int = 64,
+    seq_len: int = 16,
+    num_patches: int = 32,
+    patch_dim: int = 48,
+    dim: int = 64,
+    text_layers: int = 4,
+    image_layers: int = 2,
+    num_heads: int = 4,
+    num_classes: int = 4,
+    dropout: float = 0.0,
+) -> TwoTower:
     """The default towers cost about the same: 4 blocks x 16 tokens, 2 blocks x 32 patches."""
-    return TwoTower(TextTower(vocab_size, seq_len, dim, text_layers, num_heads, dropout),
-                    ImageTower(patch_dim, num_patches, dim, image_layers, num_heads, dropout),
-                    FusionHead(dim, num_classes))
+    return TwoTower(
+        TextTower(vocab_size, seq_len, dim, text_layers, num_heads, dropout),
+        ImageTower(patch_dim, num_patches, dim, image_layers, num_heads, dropout),
+        FusionHead(dim, num_classes),
+    )
 
 
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -114,10 +150,16 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits, targets)
 
 
-def multimodal_batches(batch_size: int, num_batches: int, vocab_size: int = 64,
-                       seq_len: int = 16, num_patches: int = 32, patch_dim: int = 48,
-                       seed: int = 0, dtype: torch.dtype = torch.float32,
-                       ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+def multimodal_batches(
+    batch_size: int,
+    num_batches: int,
+    vocab_size: int = 64,
+    seq_len: int = 16,
+    num_patches: int = 32,
+    patch_dim: int = 48,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """({"tokens", "patches", "mask"}, labels) batches of a task that needs both towers.
 
     Texts have random lengths (padding after them is masked). The label's low bit says

@@ -26,8 +26,10 @@ class MLPBlock(nn.Module):
         return out
 
 
-def unbalanced_mlp(dim: int = 256, widths: Sequence[int] = (16, 16, 16, 1, 1, 1, 1, 1),
-                   ) -> nn.Sequential:
+def unbalanced_mlp(
+    dim: int = 256,
+    widths: Sequence[int] = (16, 16, 16, 1, 1, 1, 1, 1),
+) -> nn.Sequential:
     """An nn.Sequential of residual MLP blocks, block i with ``widths[i] * dim`` hidden units.
 
     The default puts three blocks 16 times wider than the others first, so three of eight
@@ -39,8 +41,9 @@ def unbalanced_mlp(dim: int = 256, widths: Sequence[int] = (16, 16, 16, 1, 1, 1,
     return nn.Sequential(*(MLPBlock(dim, w * dim) for w in widths))
 
 
-def regression_batch(batch_size: int, dim: int = 256, seed: int = 0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def regression_batch(
+    batch_size: int, dim: int = 256, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of a fixed random regression task, the same for the same arguments."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(batch_size, dim, generator=generator)

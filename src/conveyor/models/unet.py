@@ -15,17 +15,28 @@ from torch import nn
 
 from conveyor.split.skip import pop, rename, skippable, stash
 
-__all__ = ["Bottom", "Down", "SegmentationHead", "Up", "segmentation_batches",
-           "segmentation_loss", "unet"]
+__all__ = [
+    "Bottom",
+    "Down",
+    "SegmentationHead",
+    "Up",
+    "segmentation_batches",
+    "segmentation_loss",
+    "unet",
+]
 
 
 def _convolutions(in_channels: int, out_channels: int) -> nn.Sequential:
     """Two 3x3 convolutions, each followed by group norm and ReLU."""
     groups = 4 if out_channels % 4 == 0 else 1
     return nn.Sequential(
-        nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.GroupNorm(groups, out_channels),
-        nn.ReLU(), nn.Conv2d(out_channels, out_channels, 3, padding=1),
-        nn.GroupNorm(groups, out_channels), nn.ReLU())
+        nn.Conv2d(in_channels, out_channels, 3, padding=1),
+        nn.GroupNorm(groups, out_channels),
+        nn.ReLU(),
+        nn.Conv2d(out_channels, out_channels, 3, padding=1),
+        nn.GroupNorm(groups, out_channels),
+        nn.ReLU(),
+    )
 
 
 @skippable(stash=["skip"])
@@ -82,8 +93,9 @@ class SegmentationHead(nn.Module):
         return logits
 
 
-def unet(in_channels: int = 3, num_classes: int = 2, width: int = 8,
-         depth: int = 3) -> nn.Sequential:
+def unet(
+    in_channels: int = 3, num_classes: int = 2, width: int = 8, depth: int = 3
+) -> nn.Sequential:
     """A U-Net with ``depth`` levels: ``2 * depth + 2`` layers, widths ``width * 2**level``.
 
     Images need sides divisible by ``2**depth``. Level i's skip is named ``skip{i}``.
@@ -91,11 +103,15 @@ def unet(in_channels: int = 3, num_classes: int = 2, width: int = 8,
     if depth < 1 or width < 1:
         raise ValueError(f"depth and width must be >= 1, got depth={depth}, width={width}")
     widths = [width * 2**level for level in range(depth + 1)]
-    downs = [rename(Down(in_channels if i == 0 else widths[i - 1], widths[i]), skip=f"skip{i}")
-             for i in range(depth)]
+    downs = [
+        rename(Down(in_channels if i == 0 else widths[i - 1], widths[i]), skip=f"skip{i}")
+        for i in range(depth)
+    ]
     bottom = Bottom(widths[depth - 1], widths[depth])
-    ups = [rename(Up(widths[i + 1], widths[i], widths[i]), skip=f"skip{i}")
-           for i in reversed(range(depth))]
+    ups = [
+        rename(Up(widths[i + 1], widths[i], widths[i]), skip=f"skip{i}")
+        for i in reversed(range(depth))
+    ]
     return nn.Sequential(*downs, bottom, *ups, SegmentationHead(widths[0], num_classes))
 
 
@@ -104,9 +120,14 @@ def segmentation_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits, targets)
 
 
-def segmentation_batches(batch_size: int, size: int, num_batches: int, in_channels: int = 3,
-                         seed: int = 0, dtype: torch.dtype = torch.float32
-                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def segmentation_batches(
+    batch_size: int,
+    size: int,
+    num_batches: int,
+    in_channels: int = 3,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(images, masks): noisy images with one brighter rectangle each; the mask marks it (1)
     against the background (0). The same arguments give the same batches."""
     generator = torch.Generator().manual_seed(seed)
@@ -118,7 +139,7 @@ def segmentation_batches(batch_size: int, size: int, num_batches: int, in_channe
         sides = torch.randint(size // 4, size // 2 + 1, (batch_size, 2), generator=generator)
         for b in range(batch_size):
             (top, left), (height, width) = corners[b].tolist(), sides[b].tolist()
-            masks[b, top:top + height, left:left + width] = 1
+            masks[b, top : top + height, left : left + width] = 1
         images += masks[:, None].to(images.dtype)
         batches.append((images.to(dtype), masks))
     return batches

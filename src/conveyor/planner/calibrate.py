@@ -36,14 +36,22 @@ from conveyor.runtime.comm import P2P, Meta
 from conveyor.schedule import SCHEDULES, layout_of
 from conveyor.trace import Event, Timeline
 
-__all__ = ["fit", "fit_to_run", "measure_link", "measure_local", "measure_overheads",
-           "profile_local", "profile_together"]
+__all__ = [
+    "fit",
+    "fit_to_run",
+    "measure_link",
+    "measure_local",
+    "measure_overheads",
+    "profile_local",
+    "profile_together",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def measure_overheads(group: dist.ProcessGroup | None = None, steps: int = 30,
-                      num_microbatches: int = 8) -> Overheads:
+def measure_overheads(
+    group: dist.ProcessGroup | None = None, steps: int = 30, num_microbatches: int = 8
+) -> Overheads:
     """Per-action runtime costs, from a traced pipeline of two tiny stages on ranks 0 and 1.
 
     Collective over ``group`` (exactly two ranks). The tiny stages' own compute, measured
@@ -53,11 +61,22 @@ def measure_overheads(group: dist.ProcessGroup | None = None, steps: int = 30,
     _need_two(group)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    workload = Workload("tiny", model, lambda n: (torch.randn(n, 4), torch.randn(n, 4)),
-                        lambda out, target: ((out - target) ** 2).mean())
+    workload = Workload(
+        "tiny",
+        model,
+        lambda n: (torch.randn(n, 4), torch.randn(n, 4)),
+        lambda out, target: ((out - target) ** 2).mean(),
+    )
     units = profile_model(workload, [1], threads=None, min_time_s=0.005)
-    pipe = Pipeline(model, loss_fn=workload.loss_fn, group=group, balance=(1, 1),
-                    num_microbatches=num_microbatches, schedule="gpipe", trace=True)
+    pipe = Pipeline(
+        model,
+        loss_fn=workload.loss_fn,
+        group=group,
+        balance=(1, 1),
+        num_microbatches=num_microbatches,
+        schedule="gpipe",
+        trace=True,
+    )
     inputs, targets = workload.batch(num_microbatches)
     step_times = []
     for _ in range(steps):
@@ -70,19 +89,24 @@ def measure_overheads(group: dist.ProcessGroup | None = None, steps: int = 30,
     loss_forward, loss_backward = units.loss[1] if rank == 1 else (0.0, 0.0)
     recorder = pipe.recorder
     assert recorder is not None
-    events = [e for _, step in recorder.steps[steps // 3:] for e in step]
-    run_spans = [max(e.end for e in s) - min(e.start for e in s)
-                 for _, s in recorder.steps[steps // 3:]]
+    events = [e for _, step in recorder.steps[steps // 3 :] for e in step]
+    run_spans = [
+        max(e.end for e in s) - min(e.start for e in s) for _, s in recorder.steps[steps // 3 :]
+    ]
 
     def median(kind: str, minus: float = 0.0) -> float:
         values = [e.duration for e in events if e.kind == kind]
         return max(0.0, statistics.median(values) - minus) if values else 0.0
 
     waits = [e.duration for e in events if e.kind == "wait" and e.waited_for]
-    local = [median("forward", unit.forward + loss_forward),
-             median("backward", unit.backward + loss_backward), median("send"), median("recv"),
-             min(waits) if waits else 0.0,
-             max(0.0, statistics.median(step_times[steps // 3:]) - statistics.median(run_spans))]
+    local = [
+        median("forward", unit.forward + loss_forward),
+        median("backward", unit.backward + loss_backward),
+        median("send"),
+        median("recv"),
+        min(waits) if waits else 0.0,
+        max(0.0, statistics.median(step_times[steps // 3 :]) - statistics.median(run_spans)),
+    ]
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, local, group=group)
     # F and B: both ranks run them (rank 1 with the loss); sends on rank 0, receives on both
@@ -91,9 +115,11 @@ def measure_overheads(group: dist.ProcessGroup | None = None, steps: int = 30,
     return Overheads(averaged[0], averaged[1], send, averaged[3], averaged[4], averaged[5])
 
 
-def measure_link(group: dist.ProcessGroup | None = None,
-                 sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
-                 repeats: int = 20) -> Link:
+def measure_link(
+    group: dist.ProcessGroup | None = None,
+    sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
+    repeats: int = 20,
+) -> Link:
     """Latency and bandwidth between ranks 0 and 1, from ping-pongs through ``P2P``.
 
     Collective over ``group`` (exactly two ranks); a least-squares line through the one-way
@@ -146,14 +172,16 @@ def measure_link(group: dist.ProcessGroup | None = None,
     # from the send call's end, so the call's own time comes off
     one_way = [t - sending for (_, t), (_, sending, _) in zip(points, calls, strict=True)]
     slope, intercept = _fit(xs, one_way)
-    return Link(max(intercept, 1e-7), 1.0 / max(slope, 1e-13), max(send_slope, 0.0),
-                max(recv_slope, 0.0))
+    return Link(
+        max(intercept, 1e-7), 1.0 / max(slope, 1e-13), max(send_slope, 0.0), max(recv_slope, 0.0)
+    )
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) /
-             sum((x - mean_x) ** 2 for x in xs))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
     return slope, mean_y - slope * mean_x
 
 
@@ -164,8 +192,14 @@ def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
     return Overheads(**data["overheads"]), Link(**data["link"])
 
 
-def profile_local(spec: str, microbatch_sizes: Sequence[int], depth: int, batch_size: int,
-                  microbatch_counts: Sequence[int], timeout_s: float = 900.0) -> Profile:
+def profile_local(
+    spec: str,
+    microbatch_sizes: Sequence[int],
+    depth: int,
+    batch_size: int,
+    microbatch_counts: Sequence[int],
+    timeout_s: float = 900.0,
+) -> Profile:
     """A fitted profile of the workload ``spec`` (see ``conveyor.plan.load_workload``), made
     on two ranks started here, as ``conveyor plan`` uses it.
 
@@ -174,8 +208,13 @@ def profile_local(spec: str, microbatch_sizes: Sequence[int], depth: int, batch_
     on both ranks in the default schedule, split as the planner would split it with
     each of ``microbatch_counts``, and the profile is fitted to those runs (``fit_to_run``).
     """
-    job = {"spec": spec, "sizes": list(microbatch_sizes), "depth": depth,
-           "batch_size": batch_size, "counts": list(microbatch_counts)}
+    job = {
+        "spec": spec,
+        "sizes": list(microbatch_sizes),
+        "depth": depth,
+        "batch_size": batch_size,
+        "counts": list(microbatch_counts),
+    }
     return Profile.from_dict(_on_two_local_ranks(timeout_s, job)["profile"])
 
 
@@ -187,14 +226,16 @@ def _on_two_local_ranks(timeout_s: float, job: dict[str, Any] | None) -> dict[st
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory, "measured.json")
         context = mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
-            _local_worker, args=(str(Path(directory, "store")), str(out), job), nprocs=2,
-            join=False)
+            _local_worker, args=(str(Path(directory, "store")), str(out), job), nprocs=2, join=False
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"measuring on two local ranks took over "
-                                       f"{timeout_s:.0f} s; pass --no-link to plan without it")
+                    raise RuntimeError(
+                        f"measuring on two local ranks took over "
+                        f"{timeout_s:.0f} s; pass --no-link to plan without it"
+                    )
         finally:
             for process in context.processes:
                 if process.is_alive():
@@ -206,13 +247,20 @@ def _on_two_local_ranks(timeout_s: float, job: dict[str, Any] | None) -> dict[st
 def _local_worker(rank: int, store: str, out: str, job: dict[str, Any] | None) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
     try:
         overheads = measure_overheads()
         link = measure_link()
-        result: dict[str, Any] = {"overheads": dataclasses.asdict(overheads),
-                                  "link": dataclasses.asdict(link)}
+        result: dict[str, Any] = {
+            "overheads": dataclasses.asdict(overheads),
+            "link": dataclasses.asdict(link),
+        }
         if job is not None:
             result["profile"] = _fitted_profile(job, overheads, link).to_dict()
         if rank == 0:
@@ -221,8 +269,12 @@ def _local_worker(rank: int, store: str, out: str, job: dict[str, Any] | None) -
         dist.destroy_process_group()
 
 
-def profile_together(workload: Workload, microbatch_sizes: Sequence[int], depth: int = 1,
-                     group: dist.ProcessGroup | None = None) -> Profile:
+def profile_together(
+    workload: Workload,
+    microbatch_sizes: Sequence[int],
+    depth: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> Profile:
     """Every rank of ``group`` profiles the model at the same time, so each core is as busy as
     in a pipeline run; the medians of all ranks are averaged. Collective."""
     dist.barrier(group)
@@ -235,15 +287,23 @@ def profile_together(workload: Workload, microbatch_sizes: Sequence[int], depth:
     def mean(values: Sequence[float]) -> float:
         return sum(values) / count
 
-    stats = {size: tuple(dataclasses.replace(
-        units[0], forward=mean([u.forward for u in units]),
-        backward=mean([u.backward for u in units]),
-        backward_input=mean([u.backward_input for u in units]),
-        backward_weight=mean([u.backward_weight for u in units]))
-        for units in zip(*(p.stats[size] for p in profiles), strict=True))
-        for size in mine.stats}
-    loss = {size: (mean([p.loss[size][0] for p in profiles]),
-                   mean([p.loss[size][1] for p in profiles])) for size in mine.loss}
+    stats = {
+        size: tuple(
+            dataclasses.replace(
+                units[0],
+                forward=mean([u.forward for u in units]),
+                backward=mean([u.backward for u in units]),
+                backward_input=mean([u.backward_input for u in units]),
+                backward_weight=mean([u.backward_weight for u in units]),
+            )
+            for units in zip(*(p.stats[size] for p in profiles), strict=True)
+        )
+        for size in mine.stats
+    }
+    loss = {
+        size: (mean([p.loss[size][0] for p in profiles]), mean([p.loss[size][1] for p in profiles]))
+        for size in mine.loss
+    }
     return dataclasses.replace(mine, stats=stats, loss=loss)
 
 
@@ -254,9 +314,14 @@ def _fitted_profile(job: dict[str, Any], overheads: Overheads, link: Link) -> Pr
     return fit_to_run(workload, profile, job["batch_size"], job["counts"])
 
 
-def fit_to_run(workload: Workload, profile: Profile, batch_size: int,
-               microbatch_counts: int | Sequence[int], group: dist.ProcessGroup | None = None,
-               steps: int = 10) -> Profile:
+def fit_to_run(
+    workload: Workload,
+    profile: Profile,
+    batch_size: int,
+    microbatch_counts: int | Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    steps: int = 10,
+) -> Profile:
     """``profile`` fitted (``fit``) to ``steps`` traced steps of the model on the ranks of
     ``group``, in the default schedule, split as the planner would split it, once per
     micro-batch count: the first fits every size and the runtime's call costs, each further
@@ -270,13 +335,27 @@ def fit_to_run(workload: Workload, profile: Profile, batch_size: int,
     return fitted
 
 
-def _traced_and_predicted(workload: Workload, profile: Profile, batch: int, m: int,
-                          group: dist.ProcessGroup | None,
-                          steps: int) -> tuple[list[Timeline], Timeline]:
+def _traced_and_predicted(
+    workload: Workload,
+    profile: Profile,
+    batch: int,
+    m: int,
+    group: dist.ProcessGroup | None,
+    steps: int,
+) -> tuple[list[Timeline], Timeline]:
     schedule = PipelineConfig().schedule
-    report = plan(workload, dist.get_world_size(group), 1 << 60, batch, profile=profile,
-                  schedules=[schedule], microbatches=[m], objectives=("time",),
-                  checkpointing=False, time_budget_s=None)
+    report = plan(
+        workload,
+        dist.get_world_size(group),
+        1 << 60,
+        batch,
+        profile=profile,
+        schedules=[schedule],
+        microbatches=[m],
+        objectives=("time",),
+        checkpointing=False,
+        time_budget_s=None,
+    )
     chosen = report.best
     config = PipelineConfig.from_dict({**report.pipeline_config(chosen), "trace": True})
     pipe = Pipeline(workload.model, config, loss_fn=workload.loss_fn, group=group)
@@ -286,14 +365,20 @@ def _traced_and_predicted(workload: Workload, profile: Profile, batch: int, m: i
         pipe.step(inputs, targets)
     measured = [pipe.timeline(index) for index in range(-steps, 0)]
     graph, units = layout(profile, [list(u) for u in chosen.stage_units], list(chosen.placement))
-    predicted = predict(SCHEDULES[schedule](graph, m), graph,
-                        ProfileCost(profile, graph, units, batch / m, m))
+    predicted = predict(
+        SCHEDULES[schedule](graph, m), graph, ProfileCost(profile, graph, units, batch / m, m)
+    )
     return measured, predicted.timeline
 
 
-def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
-                     microbatches: Sequence[int] | None = None,
-                     schedules: Sequence[str] | None = None, spec: str | None = None) -> Profile:
+def measured_profile(
+    workload: Workload,
+    num_ranks: int,
+    batch_size: int,
+    microbatches: Sequence[int] | None = None,
+    schedules: Sequence[str] | None = None,
+    spec: str | None = None,
+) -> Profile:
     """The profile ``plan`` would measure, plus the runtime's overheads and the link between
     two ranks started on this machine; with ``spec`` (the workload's example name or import
     path) the profile is made on those two ranks and fitted to a traced run
@@ -303,8 +388,13 @@ def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
     max_virtual = max(layout_of(n).virtual_stages for n in names)
     depth = unit_depth(workload.model, num_ranks * max_virtual)
     if spec is not None:
-        return profile_local(spec, microbatch_sizes(batch_size, counts), depth, batch_size,
-                             [m for m in counts if batch_size % m == 0])
+        return profile_local(
+            spec,
+            microbatch_sizes(batch_size, counts),
+            depth,
+            batch_size,
+            [m for m in counts if batch_size % m == 0],
+        )
     profile = profile_model(workload, microbatch_sizes(batch_size, counts), depth=depth)
     profile.overheads, profile.link = measure_local()
     return profile
@@ -312,9 +402,11 @@ def measured_profile(workload: Workload, num_ranks: int, batch_size: int,
 
 def _need_two(group: dist.ProcessGroup | None) -> None:
     if not dist.is_initialized() or dist.get_world_size(group) != 2:
-        raise RuntimeError("measuring the runtime and the link needs a process group of exactly "
-                           "two ranks; run it under `conveyor run -n 2` (or let `conveyor plan` "
-                           "start two local ranks)")
+        raise RuntimeError(
+            "measuring the runtime and the link needs a process group of exactly "
+            "two ranks; run it under `conveyor run -n 2` (or let `conveyor plan` "
+            "start two local ranks)"
+        )
 
 
 # Note [fitting to a measured step]:
@@ -331,8 +423,12 @@ def _need_two(group: dist.ProcessGroup | None) -> None:
 # the machine can stretch any one of them. (A line scale x predicted + extra through heavy
 # and light stages fitted per-action extras of up to 2 ms from two points, which misjudged
 # every split with more stages: 23% on the two-tower model's three stages.)
-def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Timeline,
-        microbatch_size: int | None = None) -> Profile:
+def fit(
+    profile: Profile,
+    measured: Timeline | Sequence[Timeline],
+    predicted: Timeline,
+    microbatch_size: int | None = None,
+) -> Profile:
     """``profile`` with compute and call times scaled so that ``predicted`` (a simulated step
     of the configuration that ran) would match ``measured`` (one step, or several) kind by
     kind.
@@ -353,43 +449,68 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
     factor: dict[str, float] = {}
     for kind in ("forward", "backward", "backward_input", "backward_weight"):
         own = profile.overheads.forward if kind == "forward" else profile.overheads.backward
-        pairs = [(expected[key].duration - own, statistics.median(values) - own)
-                 for key, values in seen.items() if expected[key].kind == kind
-                 and expected[key].duration > own]
+        pairs = [
+            (expected[key].duration - own, statistics.median(values) - own)
+            for key, values in seen.items()
+            if expected[key].kind == kind and expected[key].duration > own
+        ]
         if pairs:
-            factor[kind] = min(max(sum(y for _, y in pairs) / sum(x for x, _ in pairs), 0.5),
-                               2.0)
+            factor[kind] = min(max(sum(y for _, y in pairs) / sum(x for x, _ in pairs), 0.5), 2.0)
     if not factor:
-        raise ValueError("the measured and predicted timelines share no kind of action; pass "
-                         "a traced step and the prediction of the same configuration")
+        raise ValueError(
+            "the measured and predicted timelines share no kind of action; pass "
+            "a traced step and the prediction of the same configuration"
+        )
     backward = factor.get("backward", 1.0)
     forward = factor.get("forward", 1.0)
     inputs = factor.get("backward_input", backward)
     weights = factor.get("backward_weight", backward)
     sizes = set(profile.stats) if microbatch_size is None else {microbatch_size}
-    stats = {size: tuple(dataclasses.replace(
-        s, forward=s.forward * forward, backward=s.backward * backward,
-        backward_input=s.backward_input * inputs, backward_weight=s.backward_weight * weights)
-        for s in values) if size in sizes else values for size, values in profile.stats.items()}
-    loss = {size: (f * forward, b * backward) if size in sizes else (f, b)
-            for size, (f, b) in profile.loss.items()}
-    calibration = {size: (f * forward, b * backward) if size in sizes else (f, b)
-                   for size, (f, b) in (profile.calibration or
-                                        {s: (1.0, 1.0) for s in profile.stats}).items()}
+    stats = {
+        size: tuple(
+            dataclasses.replace(
+                s,
+                forward=s.forward * forward,
+                backward=s.backward * backward,
+                backward_input=s.backward_input * inputs,
+                backward_weight=s.backward_weight * weights,
+            )
+            for s in values
+        )
+        if size in sizes
+        else values
+        for size, values in profile.stats.items()
+    }
+    loss = {
+        size: (f * forward, b * backward) if size in sizes else (f, b)
+        for size, (f, b) in profile.loss.items()
+    }
+    calibration = {
+        size: (f * forward, b * backward) if size in sizes else (f, b)
+        for size, (f, b) in (profile.calibration or {s: (1.0, 1.0) for s in profile.stats}).items()
+    }
     fitted = ", ".join(f"{k} x{v:.2f}" for k, v in factor.items())
     if microbatch_size is not None:
-        logger.info("fitted %s at micro-batch size %d: %s", profile.model, microbatch_size,
-                    fitted)
+        logger.info("fitted %s at micro-batch size %d: %s", profile.model, microbatch_size, fitted)
         return dataclasses.replace(profile, stats=stats, loss=loss, calibration=calibration)
     extra, per_busy = _busy_calls(steps, expected)
     old = profile.overheads
-    overheads = dataclasses.replace(old, send=max(0.0, old.send + extra),
-                                    recv=max(0.0, old.recv + extra),
-                                    busy_call=max(0.0, old.busy_call + per_busy))
-    logger.info("fitted %s to a measured step: %s; calls +%.3f ms, +%.3f ms per busy share",
-                profile.model, fitted, extra * 1e3, per_busy * 1e3)
-    return dataclasses.replace(profile, stats=stats, loss=loss, overheads=overheads,
-                               calibration=calibration)
+    overheads = dataclasses.replace(
+        old,
+        send=max(0.0, old.send + extra),
+        recv=max(0.0, old.recv + extra),
+        busy_call=max(0.0, old.busy_call + per_busy),
+    )
+    logger.info(
+        "fitted %s to a measured step: %s; calls +%.3f ms, +%.3f ms per busy share",
+        profile.model,
+        fitted,
+        extra * 1e3,
+        per_busy * 1e3,
+    )
+    return dataclasses.replace(
+        profile, stats=stats, loss=loss, overheads=overheads, calibration=calibration
+    )
 
 
 # Note [busy ranks]:
@@ -401,8 +522,9 @@ def fit(profile: Profile, measured: Timeline | Sequence[Timeline], predicted: Ti
 # call costs a + k x (its peer's busy share of the step); ``fit`` finds a and k by least
 # squares over the ranks of a traced step, and ``predict`` simulates twice, the second time
 # knowing each rank's busy share.
-def _busy_calls(steps: Sequence[Timeline],
-                expected: dict[tuple[int, str], Event]) -> tuple[float, float]:
+def _busy_calls(
+    steps: Sequence[Timeline], expected: dict[tuple[int, str], Event]
+) -> tuple[float, float]:
     """(a, k): how much longer a send or receive call took than predicted, as a + k x the
     peer's busy share."""
     points: list[tuple[float, float]] = []
@@ -415,9 +537,12 @@ def _busy_calls(steps: Sequence[Timeline],
                 peer = Action.parse(e.action).peer
                 if peer in rank_of:
                     by_peer.setdefault(rank_of[peer], []).append(
-                        e.duration - expected[(e.rank, e.action)].duration)
-        points += [(step.busy_time(peer) / span, statistics.median(values))
-                   for peer, values in by_peer.items()]
+                        e.duration - expected[(e.rank, e.action)].duration
+                    )
+        points += [
+            (step.busy_time(peer) / span, statistics.median(values))
+            for peer, values in by_peer.items()
+        ]
     if not points:
         return 0.0, 0.0
     busy = [b for b, _ in points]

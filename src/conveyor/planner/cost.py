@@ -32,14 +32,17 @@ RNG_STATE_BYTES = int(torch.get_rng_state().numel())
 def split_units(num_units: int, balance: Sequence[int]) -> list[list[int]]:
     """Unit indices of each stage of a chain split into ``balance`` consecutive counts."""
     if any(b < 1 for b in balance) or sum(balance) != num_units:
-        raise ValueError(f"balance {list(balance)} covers {sum(balance)} units but the profile "
-                         f"has {num_units}; pass positive counts that sum to {num_units}")
+        raise ValueError(
+            f"balance {list(balance)} covers {sum(balance)} units but the profile "
+            f"has {num_units}; pass positive counts that sum to {num_units}"
+        )
     starts = [sum(balance[:i]) for i in range(len(balance))]
     return [list(range(a, a + b)) for a, b in zip(starts, balance, strict=True)]
 
 
-def layout(profile: Profile, stage_units: Sequence[Sequence[int]],
-           placement: Sequence[int] | None = None) -> tuple[StageGraph, list[list[int]]]:
+def layout(
+    profile: Profile, stage_units: Sequence[Sequence[int]], placement: Sequence[int] | None = None
+) -> tuple[StageGraph, list[list[int]]]:
     """The StageGraph (no modules) of a unit-to-stage assignment, and the assignment.
 
     A value crosses from stage i to stage j when a unit of j consumes a unit of i; stages
@@ -58,12 +61,13 @@ def layout(profile: Profile, stage_units: Sequence[Sequence[int]],
                 name = "input" if p < 0 else names[p]
                 if (p < 0 or stage_of[p] != index) and name not in inputs:
                     if p >= 0 and stage_of[p] > index:
-                        raise ValueError(f"unit {names[u]} in stage {index} consumes "
-                                         f"{names[p]} of the later stage {stage_of[p]}; "
-                                         "stages must follow the model's order")
+                        raise ValueError(
+                            f"unit {names[u]} in stage {index} consumes "
+                            f"{names[p]} of the later stage {stage_of[p]}; "
+                            "stages must follow the model's order"
+                        )
                     inputs.append(name)
-        outputs = [names[u] for u in members
-                   if any(stage_of[c] != index for c in consumers[u])]
+        outputs = [names[u] for u in members if any(stage_of[c] != index for c in consumers[u])]
         if output_unit in members:
             outputs.append(MODEL_OUTPUT)
         rank = index if placement is None else placement[index]
@@ -76,8 +80,10 @@ def _stage_of(profile: Profile, stage_units: Sequence[Sequence[int]]) -> list[in
     for s, members in enumerate(stage_units):
         for u in members:
             if not 0 <= u < profile.num_units or stage_of[u] != -1:
-                raise ValueError(f"unit {u} is assigned twice or is not one of the profile's "
-                                 f"{profile.num_units} units")
+                raise ValueError(
+                    f"unit {u} is assigned twice or is not one of the profile's "
+                    f"{profile.num_units} units"
+                )
             stage_of[u] = s
     missing = [profile.units[u].name for u in range(profile.num_units) if stage_of[u] == -1]
     if missing:
@@ -113,24 +119,33 @@ class ProfileCost:
             backward; 'except_last' keeps the last micro-batch).
     """
 
-    def __init__(self, profile: Profile, graph: StageGraph,
-                 stage_units: Sequence[Sequence[int]], microbatch_size: float,
-                 num_microbatches: int,
-                 checkpoint: RecomputeMode | Sequence[RecomputeMode] = "never") -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        graph: StageGraph,
+        stage_units: Sequence[Sequence[int]],
+        microbatch_size: float,
+        num_microbatches: int,
+        checkpoint: RecomputeMode | Sequence[RecomputeMode] = "never",
+    ) -> None:
         if len(stage_units) != graph.num_stages:
-            raise ValueError(f"stage_units lists {len(stage_units)} stages but the graph has "
-                             f"{graph.num_stages}")
+            raise ValueError(
+                f"stage_units lists {len(stage_units)} stages but the graph has {graph.num_stages}"
+            )
         self.profile = profile
         self.graph = graph
         self.num_microbatches = num_microbatches
         self.busy_share: dict[int, float] = {}
         """Each rank's share of the step spent computing (set by ``predict``)."""
         self.microbatch_size = microbatch_size
-        self.modes = ([checkpoint] * graph.num_stages if isinstance(checkpoint, str)
-                      else list(checkpoint))
+        self.modes = (
+            [checkpoint] * graph.num_stages if isinstance(checkpoint, str) else list(checkpoint)
+        )
         if len(self.modes) != graph.num_stages:
-            raise ValueError(f"checkpoint lists {len(self.modes)} modes for "
-                             f"{graph.num_stages} stages; give one per stage")
+            raise ValueError(
+                f"checkpoint lists {len(self.modes)} modes for "
+                f"{graph.num_stages} stages; give one per stage"
+            )
         stats = profile.at(microbatch_size)
         loss_forward, loss_backward = profile.loss_at(microbatch_size)
         stage_of = _stage_of(profile, stage_units)
@@ -141,52 +156,80 @@ class ProfileCost:
         self._after_input, self._after_input_recomputed = [], []
         for s, members in enumerate(stage_units):
             is_sink = output_unit in members
-            self._forward.append(sum(stats[u].forward for u in members) +
-                                 (loss_forward if is_sink else 0.0))
+            self._forward.append(
+                sum(stats[u].forward for u in members) + (loss_forward if is_sink else 0.0)
+            )
             tail = loss_backward if is_sink else 0.0
             self._backward.append(sum(stats[u].backward for u in members) + tail)
             # a stage none of whose inputs needs a gradient (the first) has no input path: its
             # I has nothing to do, and its W is the whole backward (see conveyor.runtime.backward)
-            takes_gradients = any(p >= 0 and stage_of[p] != s
-                                  for u in members for p in profile.units[u].inputs)
+            takes_gradients = any(
+                p >= 0 and stage_of[p] != s for u in members for p in profile.units[u].inputs
+            )
             if takes_gradients:
                 self._input.append(sum(stats[u].backward_input for u in members) + tail)
                 self._weight.append(sum(stats[u].backward_weight for u in members))
             else:
                 self._input.append(0.0)
                 self._weight.append(self._backward[-1])
-            remote = {p for u in members for p in profile.units[u].inputs
-                      if p >= 0 and stage_of[p] != s
-                      and graph.rank_of(stage_of[p]) != graph.rank_of(s)}
+            remote = {
+                p
+                for u in members
+                for p in profile.units[u].inputs
+                if p >= 0 and stage_of[p] != s and graph.rank_of(stage_of[p]) != graph.rank_of(s)
+            }
             received = sum(stats[p].message_bytes for p in remote)
-            outputs = sum(stats[u].output_bytes for u in members
-                          if u == output_unit or any(stage_of[c] != s for c in consumers[u]))
+            outputs = sum(
+                stats[u].output_bytes
+                for u in members
+                if u == output_unit or any(stage_of[c] != s for c in consumers[u])
+            )
             inner = sum(stats[u].saved_bytes for u in members) + sum(
-                stats[u].output_bytes for u in members
-                if u != output_unit and not any(stage_of[c] != s for c in consumers[u])
-                and _is_kept(profile, stats, u, consumers[u]))
+                stats[u].output_bytes
+                for u in members
+                if u != output_unit
+                and not any(stage_of[c] != s for c in consumers[u])
+                and _is_kept(profile, stats, u, consumers[u])
+            )
             self._kept.append(received + outputs + inner)
             self._recomputed.append(received + outputs)
             # after I: what autograd saved (the stage's own saves, and the inputs and outputs
             # it saved) and the gradients W starts from
             # without an input path, W starts from the gradients of the stage's outputs
-            weight_grads = (sum(stats[u].weight_grad_bytes for u in members) if takes_gradients
-                            else sum(stats[u].message_bytes for u in members
-                                     if any(stage_of[c] != s for c in consumers[u])))
+            weight_grads = (
+                sum(stats[u].weight_grad_bytes for u in members)
+                if takes_gradients
+                else sum(
+                    stats[u].message_bytes
+                    for u in members
+                    if any(stage_of[c] != s for c in consumers[u])
+                )
+            )
             saved = sum(stats[u].saved_bytes for u in members) + sum(
-                stats[u].output_bytes for u in members
-                if _is_kept(profile, stats, u, [c for c in consumers[u] if stage_of[c] == s]))
-            saved += sum(stats[p].message_bytes for p in remote if _is_kept(
-                profile, stats, p, [c for c in consumers[p] if stage_of[c] == s], own=False))
+                stats[u].output_bytes
+                for u in members
+                if _is_kept(profile, stats, u, [c for c in consumers[u] if stage_of[c] == s])
+            )
+            saved += sum(
+                stats[p].message_bytes
+                for p in remote
+                if _is_kept(
+                    profile, stats, p, [c for c in consumers[p] if stage_of[c] == s], own=False
+                )
+            )
             self._after_input.append(saved + weight_grads)
             # recomputed: checkpointing saves the stage's inputs (through autograd) for I
             self._after_input_recomputed.append(received + weight_grads)
             # the runtime's micro-batches are views of the batch: a stage holds the whole batch
             # of each model input it takes while any of its micro-batches is alive
             taken = {-1 - p for u in members for p in profile.units[u].inputs if p < 0}
-            per_sample = (sum(profile.model_input_bytes[i] for i in taken)
-                          if len(profile.model_input_bytes) > max(taken, default=-1)
-                          else profile.input_bytes_per_sample if taken else 0)
+            per_sample = (
+                sum(profile.model_input_bytes[i] for i in taken)
+                if len(profile.model_input_bytes) > max(taken, default=-1)
+                else profile.input_bytes_per_sample
+                if taken
+                else 0
+            )
             self._resident.append(round(per_sample * microbatch_size * num_microbatches))
         self._edge_bytes: dict[tuple[int, int], int] = {}
         for u in range(profile.num_units):
@@ -198,7 +241,8 @@ class ProfileCost:
             params = sum(profile.units[u].param_bytes for u in members)
             trainable = sum(profile.units[u].trainable_bytes for u in members)
             self._static[graph.rank_of(s)] += round(
-                params + trainable * (1 + profile.optimizer_state_per_param))
+                params + trainable * (1 + profile.optimizer_state_per_param)
+            )
 
     def _is_recomputed(self, s: int, k: int) -> bool:
         return is_recomputed(self.modes[s], k, self.num_microbatches)
@@ -253,8 +297,16 @@ class ProfileCost:
         backward, recomputation included (split backward costs about the same)."""
         overheads, m = self.profile.overheads, self.num_microbatches
         redone = sum(self._is_recomputed(stage, k) for k in range(m))
-        return (m * (self._forward[stage] + self._backward[stage] + overheads.forward +
-                     overheads.backward) + redone * self._forward[stage])
+        return (
+            m
+            * (
+                self._forward[stage]
+                + self._backward[stage]
+                + overheads.forward
+                + overheads.backward
+            )
+            + redone * self._forward[stage]
+        )
 
     def activation_after_input(self, stage: int, microbatch: int) -> int:
         if self._is_recomputed(stage, microbatch):
@@ -269,16 +321,18 @@ class ProfileCost:
         return self._static[rank]
 
 
-def _is_kept(profile: Profile, stats: Sequence[UnitStats], u: int,
-             consumers: list[int], own: bool = True) -> bool:
+def _is_kept(
+    profile: Profile, stats: Sequence[UnitStats], u: int, consumers: list[int], own: bool = True
+) -> bool:
     """Whether autograd keeps unit ``u``'s output for backward: ``u`` itself (with ``own``) or
     one of ``consumers`` saves it."""
     if own and stats[u].saves_output:
         return True
     for c in consumers:
         saves = stats[c].saves_input
-        if any(saves[i] for i, p in enumerate(profile.units[c].inputs)
-               if p == u and i < len(saves)):
+        if any(
+            saves[i] for i, p in enumerate(profile.units[c].inputs) if p == u and i < len(saves)
+        ):
             return True
     return False
 
@@ -301,8 +355,9 @@ class Prediction:
         return tuple(a + b for a, b in zip(self.peak_activation, self.static_memory, strict=True))
 
 
-def predict(program: Program, graph: StageGraph, cost: ProfileCost,
-            record: bool = True) -> Prediction:
+def predict(
+    program: Program, graph: StageGraph, cost: ProfileCost, record: bool = True
+) -> Prediction:
     """Simulate ``program`` with profiled costs: the Timeline, step time, memory per rank.
 
     With ``record=False`` the Timeline is left empty (faster); the figures are the same.
@@ -316,6 +371,10 @@ def predict(program: Program, graph: StageGraph, cost: ProfileCost,
     timeline.meta.update({"microbatches": program.num_microbatches, "model": cost.profile.model})
     span = execution.span
     bubble = 1.0 - sum(execution.busy) / (span * len(program)) if span else 0.0
-    return Prediction(timeline, span + cost.profile.overheads.step, bubble,
-                      execution.peak_memory,
-                      tuple(cost.static_bytes(r) for r in range(graph.num_ranks)))
+    return Prediction(
+        timeline,
+        span + cost.profile.overheads.step,
+        bubble,
+        execution.peak_memory,
+        tuple(cost.static_bytes(r) for r in range(graph.num_ranks)),
+    )

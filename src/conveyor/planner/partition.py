@@ -53,8 +53,13 @@ def branches_whole(profile: Profile) -> list[int] | None:
 def reordered(profile: Profile, order: list[int]) -> Profile:
     """``profile`` with its units listed in ``order`` (inputs renumbered)."""
     position = {u: i for i, u in enumerate(order)}
-    units = tuple(replace(profile.units[u], inputs=tuple(
-        position[p] if p >= 0 else p for p in profile.units[u].inputs)) for u in order)
+    units = tuple(
+        replace(
+            profile.units[u],
+            inputs=tuple(position[p] if p >= 0 else p for p in profile.units[u].inputs),
+        )
+        for u in order
+    )
     stats = {size: tuple(values[u] for u in order) for size, values in profile.stats.items()}
     return replace(profile, units=units, stats=stats)
 
@@ -90,8 +95,12 @@ def even_starts(can_start: np.ndarray, num_stages: int) -> list[int] | None:
 # best[j][b] = min over a of max(best[j-1][a], cost_j(a, b)) with stage j-1 = units [a, b).
 # Every stage cost is looked at, so the result is optimal for the cost (not greedy); numpy
 # takes the min over all a for all b at once: O(stages x units^2) in vector steps.
-def bottleneck_split(stage_cost: Callable[[int], np.ndarray], can_start: np.ndarray,
-                      num_stages: int, keys: Sequence[int]) -> list[int] | None:
+def bottleneck_split(
+    stage_cost: Callable[[int], np.ndarray],
+    can_start: np.ndarray,
+    num_stages: int,
+    keys: Sequence[int],
+) -> list[int] | None:
     """Starts of each stage minimizing the largest stage cost; None if every split is inf."""
     n = len(can_start) - 1
     cache: dict[int, np.ndarray] = {}
@@ -123,8 +132,9 @@ class StageCosts:
     """Per-micro-batch time and memory of every contiguous run of units [a, b) as matrices,
     from prefix sums of the profile (an estimate for the DP; plans are then simulated)."""
 
-    def __init__(self, profile: Profile, microbatch_size: float, num_microbatches: int,
-                 batch_size: int) -> None:
+    def __init__(
+        self, profile: Profile, microbatch_size: float, num_microbatches: int, batch_size: int
+    ) -> None:
         stats: tuple[UnitStats, ...] = profile.at(microbatch_size)
         n = profile.num_units
         self.shape = (n + 1, n + 1)
@@ -143,9 +153,16 @@ class StageCosts:
         last = (b == n) & valid
         comm = 2 * (overheads.send + overheads.recv + overheads.wait)
         self._forward = np.where(valid, forward[b] - forward[a], 0.0)  # inf: in _work
-        self._work = np.where(valid, (forward[b] - forward[a]) + (backward[b] - backward[a]) +
-                              overheads.forward + overheads.backward + comm +
-                              np.where(last, loss_forward + loss_backward, 0.0), np.inf)
+        self._work = np.where(
+            valid,
+            (forward[b] - forward[a])
+            + (backward[b] - backward[a])
+            + overheads.forward
+            + overheads.backward
+            + comm
+            + np.where(last, loss_forward + loss_backward, 0.0),
+            np.inf,
+        )
         consumers: list[int] = [-1] * n  # last consumer of each unit
         for u, unit in enumerate(profile.units):
             for p in unit.inputs:
@@ -155,19 +172,34 @@ class StageCosts:
         crossing_out = np.zeros(n + 1)
         for u, last_user in enumerate(consumers):
             if last_user > u:  # the value crosses every cut in (u, last_user]
-                crossing_msg[u + 1:last_user + 1] += stats[u].message_bytes
-                crossing_out[u + 1:last_user + 1] += stats[u].output_bytes
-        kept = [s.saved_bytes + (s.output_bytes if s.saves_output or any(
-            stats[c].saves_input[i] for c in range(n) for i, p in
-            enumerate(profile.units[c].inputs) if p == u and i < len(stats[c].saves_input))
-            else 0) for u, s in enumerate(stats)]
+                crossing_msg[u + 1 : last_user + 1] += stats[u].message_bytes
+                crossing_out[u + 1 : last_user + 1] += stats[u].output_bytes
+        kept = [
+            s.saved_bytes
+            + (
+                s.output_bytes
+                if s.saves_output
+                or any(
+                    stats[c].saves_input[i]
+                    for c in range(n)
+                    for i, p in enumerate(profile.units[c].inputs)
+                    if p == u and i < len(stats[c].saves_input)
+                )
+                else 0
+            )
+            for u, s in enumerate(stats)
+        ]
         inner = prefix(kept)
         outputs = np.asarray([s.output_bytes for s in stats] + [0], dtype=float)
         boundary = crossing_out[b] + np.where(last, outputs[np.maximum(b - 1, 0)], 0.0)
         self._full = np.where(valid, crossing_msg[a] + inner[b] - inner[a] + boundary, 0.0)
         self._light = np.where(valid, crossing_msg[a] + boundary, 0.0)  # inf: in _static
-        params = prefix([u.param_bytes + u.trainable_bytes *
-                         (1 + profile.optimizer_state_per_param) for u in profile.units])
+        params = prefix(
+            [
+                u.param_bytes + u.trainable_bytes * (1 + profile.optimizer_state_per_param)
+                for u in profile.units
+            ]
+        )
         resident = np.where(a == 0, profile.input_bytes_per_sample * batch_size, 0.0)
         self._static = np.where(valid, params[b] - params[a] + resident, np.inf)
         total_time = float(self._work[0, n])

@@ -38,13 +38,21 @@ from conveyor.split.tracing import trace_graph
 from conveyor.torch_compat import pytree
 
 __all__ = [
-    "Link", "Overheads", "Profile", "Unit", "UnitStats", "Workload",
-    "profile_model", "scaled", "trace_units",
+    "Link",
+    "Overheads",
+    "Profile",
+    "Unit",
+    "UnitStats",
+    "Workload",
+    "profile_model",
+    "scaled",
+    "trace_units",
 ]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -98,16 +106,22 @@ class UnitStats:
 
     def scaled(self, other: UnitStats, weight: float) -> UnitStats:
         """Linear interpolation towards ``other`` (weight 0: self, 1: other), floored at 0."""
+
         def mix(a: float, b: float) -> float:
             return max(0.0, a + (b - a) * weight)
-        return UnitStats(mix(self.forward, other.forward), mix(self.backward, other.backward),
-                         mix(self.backward_input, other.backward_input),
-                         mix(self.backward_weight, other.backward_weight),
-                         round(mix(self.saved_bytes, other.saved_bytes)),
-                         round(mix(self.output_bytes, other.output_bytes)),
-                         self.saves_input, self.saves_output,
-                         round(mix(self.message_bytes, other.message_bytes)),
-                         round(mix(self.weight_grad_bytes, other.weight_grad_bytes)))
+
+        return UnitStats(
+            mix(self.forward, other.forward),
+            mix(self.backward, other.backward),
+            mix(self.backward_input, other.backward_input),
+            mix(self.backward_weight, other.backward_weight),
+            round(mix(self.saved_bytes, other.saved_bytes)),
+            round(mix(self.output_bytes, other.output_bytes)),
+            self.saves_input,
+            self.saves_output,
+            round(mix(self.message_bytes, other.message_bytes)),
+            round(mix(self.weight_grad_bytes, other.weight_grad_bytes)),
+        )
 
 
 @dataclass(frozen=True)
@@ -194,12 +208,17 @@ class Profile:
             return self.stats[exact]
         if len(sizes) == 1:
             ratio = microbatch_size / sizes[0]
-            return tuple(s.scaled(_times(s, 0.0), 1.0 - ratio) if ratio < 1 else
-                         s.scaled(_times(s, 2.0), ratio - 1.0) for s in self.stats[sizes[0]])
+            return tuple(
+                s.scaled(_times(s, 0.0), 1.0 - ratio)
+                if ratio < 1
+                else s.scaled(_times(s, 2.0), ratio - 1.0)
+                for s in self.stats[sizes[0]]
+            )
         low, high = _bracket(sizes, microbatch_size)
         weight = (microbatch_size - low) / (high - low)
-        return tuple(a.scaled(b, weight) for a, b in
-                     zip(self.stats[low], self.stats[high], strict=True))
+        return tuple(
+            a.scaled(b, weight) for a, b in zip(self.stats[low], self.stats[high], strict=True)
+        )
 
     def loss_at(self, microbatch_size: float) -> tuple[float, float]:
         sizes = self.microbatch_sizes
@@ -217,14 +236,17 @@ class Profile:
         mine = [(u.name, u.param_bytes) for u in self.units]
         theirs = [(u.name, u.param_bytes) for u in units]
         if mine != theirs:
-            diff = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
-                        min(len(mine), len(theirs)))
+            diff = next(
+                (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                min(len(mine), len(theirs)),
+            )
             raise ValueError(
                 f"profile {self.model!r} does not match the model: the profile has "
                 f"{len(mine)} units, the model {len(theirs)}, first difference at unit {diff} "
                 f"({mine[diff] if diff < len(mine) else 'none'} vs "
                 f"{theirs[diff] if diff < len(theirs) else 'none'}); profile this model again "
-                "(conveyor plan ... --save-profile FILE)")
+                "(conveyor plan ... --save-profile FILE)"
+            )
 
     # -- files -------------------------------------------------------------------------------
 
@@ -253,7 +275,8 @@ class Profile:
             return UnitStats(**{**d, "saves_input": tuple(d["saves_input"])})
 
         return cls(
-            model=data["model"], units=tuple(unit(u) for u in data["units"]),
+            model=data["model"],
+            units=tuple(unit(u) for u in data["units"]),
             stats={int(k): tuple(stat(s) for s in v) for k, v in data["stats"].items()},
             loss={int(k): (float(v[0]), float(v[1])) for k, v in data["loss"].items()},
             input_bytes_per_sample=int(data["input_bytes_per_sample"]),
@@ -262,9 +285,11 @@ class Profile:
             link=None if data.get("link") is None else Link(**data["link"]),
             optimizer_state_per_param=float(data.get("optimizer_state_per_param", 2.0)),
             depth=int(data.get("depth", 1)),
-            calibration={int(k): (float(v[0]), float(v[1]))
-                         for k, v in data.get("calibration", {}).items()},
-            environment=dict(data.get("environment", {})))
+            calibration={
+                int(k): (float(v[0]), float(v[1])) for k, v in data.get("calibration", {}).items()
+            },
+            environment=dict(data.get("environment", {})),
+        )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_atomic(path, json.dumps(self.to_dict(), indent=1))
@@ -276,8 +301,10 @@ class Profile:
             data = json.loads(Path(path).read_text())
             return cls.from_dict(data)
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{str(path)!r} is not a conveyor profile ({error!r}); write one "
-                             "with `conveyor plan ... --save-profile FILE`") from error
+            raise ValueError(
+                f"{str(path)!r} is not a conveyor profile ({error!r}); write one "
+                "with `conveyor plan ... --save-profile FILE`"
+            ) from error
 
 
 def _bracket(sizes: list[int], value: float) -> tuple[int, int]:
@@ -291,11 +318,18 @@ def _bracket(sizes: list[int], value: float) -> tuple[int, int]:
 
 
 def _times(stats: UnitStats, factor: float) -> UnitStats:
-    return UnitStats(stats.forward * factor, stats.backward * factor,
-                     stats.backward_input * factor, stats.backward_weight * factor,
-                     round(stats.saved_bytes * factor), round(stats.output_bytes * factor),
-                     stats.saves_input, stats.saves_output, round(stats.message_bytes * factor),
-                     round(stats.weight_grad_bytes * factor))
+    return UnitStats(
+        stats.forward * factor,
+        stats.backward * factor,
+        stats.backward_input * factor,
+        stats.backward_weight * factor,
+        round(stats.saved_bytes * factor),
+        round(stats.output_bytes * factor),
+        stats.saves_input,
+        stats.saves_output,
+        round(stats.message_bytes * factor),
+        round(stats.weight_grad_bytes * factor),
+    )
 
 
 # -- tracing into units ------------------------------------------------------------------------
@@ -304,17 +338,20 @@ def _times(stats: UnitStats, factor: float) -> UnitStats:
 def _leaf_at(depth: int) -> Callable[[nn.Module, str], bool]:
     """Leaf rule for units at ``depth``: nn.Sequential is always traced through; torch.nn's own
     modules are always leaves; other modules are leaves from ``depth`` levels down."""
+
     def leaf(module: nn.Module, name: str) -> bool:
         if isinstance(module, nn.Sequential):
             return False
         if type(module).__module__.startswith("torch.nn"):
             return True
         return name.count(".") + 1 >= depth
+
     return leaf
 
 
-def trace_units(model: nn.Module, depth: int = 1
-                ) -> tuple[fx.Graph, list[fx.Node], tuple[Unit, ...]]:
+def trace_units(
+    model: nn.Module, depth: int = 1
+) -> tuple[fx.Graph, list[fx.Node], tuple[Unit, ...]]:
     """Trace ``model`` into units: the fx graph, its unit nodes in order, and their Units.
 
     At ``depth`` 1 the units are the model's submodules (an nn.Sequential's layers, nested
@@ -326,8 +363,7 @@ def trace_units(model: nn.Module, depth: int = 1
     graph = trace_graph(model, (), leaf=_leaf_at(depth))
     nodes = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(nodes)}
-    index.update({n: -1 - i for i, n in enumerate(n for n in graph.nodes
-                                                 if n.op == "placeholder")})
+    index.update({n: -1 - i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")})
     seen: set[int] = set()
     units = []
     for node in nodes:
@@ -335,19 +371,27 @@ def trace_units(model: nn.Module, depth: int = 1
         owned = _owned_tensors(model, node, graph)
         fresh = [(t, trainable) for t, trainable in owned if id(t) not in seen]
         seen.update(id(t) for t, _ in owned)
-        units.append(Unit(node.name, str(node.target) if node.op == "call_module" else "",
-                          inputs, sum(_nbytes(t) for t, _ in fresh),
-                          sum(_nbytes(t) for t, trainable in fresh if trainable)))
+        units.append(
+            Unit(
+                node.name,
+                str(node.target) if node.op == "call_module" else "",
+                inputs,
+                sum(_nbytes(t) for t, _ in fresh),
+                sum(_nbytes(t) for t, trainable in fresh if trainable),
+            )
+        )
     return graph, nodes, tuple(units)
 
 
-def _owned_tensors(model: nn.Module, node: fx.Node,
-                   graph: fx.Graph) -> list[tuple[torch.Tensor, bool]]:
+def _owned_tensors(
+    model: nn.Module, node: fx.Node, graph: fx.Graph
+) -> list[tuple[torch.Tensor, bool]]:
     """Parameters and buffers a node uses: its module's, or the get_attr values it reads."""
     if node.op == "call_module":
         module = model.get_submodule(str(node.target))
-        return ([(p, p.requires_grad) for p in module.parameters()] +
-                [(b, False) for b in module.buffers()])
+        return [(p, p.requires_grad) for p in module.parameters()] + [
+            (b, False) for b in module.buffers()
+        ]
     found = []
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
@@ -388,9 +432,16 @@ def _run_node(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
 # -- measuring units ---------------------------------------------------------------------------
 
 
-def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
-                  depth: int = 1, threads: int | None = 1, min_time_s: float = 0.02,
-                  min_repeats: int = 5, passes: int = 3) -> Profile:
+def profile_model(
+    workload: Workload,
+    microbatch_sizes: Sequence[int] = (4,),
+    *,
+    depth: int = 1,
+    threads: int | None = 1,
+    min_time_s: float = 0.02,
+    min_repeats: int = 5,
+    passes: int = 3,
+) -> Profile:
     """Measure every unit's forward, backward (input and weight parts), saved and output bytes
     at each micro-batch size, in this process (no peers needed).
 
@@ -407,8 +458,9 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
     (``conveyor.runtime.host_memory``; process-wide).
     """
     if not microbatch_sizes or any(size < 1 for size in microbatch_sizes):
-        raise ValueError(f"microbatch_sizes must be positive sample counts, got "
-                         f"{list(microbatch_sizes)}")
+        raise ValueError(
+            f"microbatch_sizes must be positive sample counts, got {list(microbatch_sizes)}"
+        )
     keep_freed_memory()
     model = workload.model
     graph, nodes, units = trace_units(model, depth)
@@ -428,31 +480,51 @@ def profile_model(workload: Workload, microbatch_sizes: Sequence[int] = (4,), *,
             output = env[next(n for n in graph.nodes if n.op == "output").args[0]]
             rounds = []
             for _ in range(max(passes, 1)):
-                measured = {key: _unit_stats(model, node, env, measure)
-                            for key, node in first.items()}
+                measured = {
+                    key: _unit_stats(model, node, env, measure) for key, node in first.items()
+                }
                 alone = tuple(measured[key] for key in keys)
                 loss = _loss_times(workload.loss_fn, output, targets, measure)
-                rounds.append((alone, loss, _in_sequence(workload, inputs, targets, alone,
-                                                         loss, measure)))
-            units_alone = tuple(_median_stats([r[0][u] for r in rounds])
-                                for u in range(len(nodes)))
-            losses[size] = (statistics.median(r[1][0] for r in rounds),
-                            statistics.median(r[1][1] for r in rounds))
-            factors = (statistics.median(r[2][0] for r in rounds),
-                       statistics.median(r[2][1] for r in rounds))
+                rounds.append(
+                    (alone, loss, _in_sequence(workload, inputs, targets, alone, loss, measure))
+                )
+            units_alone = tuple(_median_stats([r[0][u] for r in rounds]) for u in range(len(nodes)))
+            losses[size] = (
+                statistics.median(r[1][0] for r in rounds),
+                statistics.median(r[1][1] for r in rounds),
+            )
+            factors = (
+                statistics.median(r[2][0] for r in rounds),
+                statistics.median(r[2][1] for r in rounds),
+            )
             calibration[size] = factors
             stats[size] = tuple(_times_by(s, *factors) for s in units_alone)
             bound = bind_inputs(model, inputs)
             per_sample = _tree_bytes(bound) // size
-            per_input = tuple(_tree_bytes(bound.get(str(n.target))) // size
-                              for n in graph.nodes if n.op == "placeholder")
+            per_input = tuple(
+                _tree_bytes(bound.get(str(n.target))) // size
+                for n in graph.nodes
+                if n.op == "placeholder"
+            )
             _zero_grads(model)
-            logger.info("profiled %s at micro-batch size %d: forward %.2f ms, backward %.2f ms",
-                        workload.name, size, 1e3 * sum(s.forward for s in stats[size]),
-                        1e3 * sum(s.backward for s in stats[size]))
-    return Profile(workload.name, units, stats, losses, per_sample, per_input, depth=depth,
-                   calibration=calibration, environment=_environment(
-                       threads if threads is not None else torch.get_num_threads()))
+            logger.info(
+                "profiled %s at micro-batch size %d: forward %.2f ms, backward %.2f ms",
+                workload.name,
+                size,
+                1e3 * sum(s.forward for s in stats[size]),
+                1e3 * sum(s.backward for s in stats[size]),
+            )
+    return Profile(
+        workload.name,
+        units,
+        stats,
+        losses,
+        per_sample,
+        per_input,
+        depth=depth,
+        calibration=calibration,
+        environment=_environment(threads if threads is not None else torch.get_num_threads()),
+    )
 
 
 @contextmanager
@@ -467,9 +539,14 @@ def _threads(threads: int | None) -> Iterator[None]:
 
 
 def _environment(threads: int) -> dict[str, Any]:
-    return {"device": "cpu", "threads": threads, "torch": torch.__version__,
-            "host": platform.node(), "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "device": "cpu",
+        "threads": threads,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _capture(model: nn.Module, graph: fx.Graph, inputs: Any) -> dict[fx.Node, Any]:
@@ -487,9 +564,11 @@ def _capture(model: nn.Module, graph: fx.Graph, inputs: Any) -> dict[fx.Node, An
 
 def _signature(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> str:
     """What a node computes and on what shapes: nodes with equal signatures cost the same."""
+
     def shape(value: Any) -> Any:
         return pytree.tree_map_only(
-            torch.Tensor, lambda t: ("tensor", tuple(t.shape), t.dtype, t.requires_grad), value)
+            torch.Tensor, lambda t: ("tensor", tuple(t.shape), t.dtype, t.requires_grad), value
+        )
 
     if node.op == "call_module":
         module = model.get_submodule(str(node.target))
@@ -497,8 +576,9 @@ def _signature(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> str:
     else:
         what = f"{node.op} {getattr(node.target, '__qualname__', node.target)}"
     # a model input needs no gradient, another unit's output does: different backwards
-    args = fx.node.map_arg((node.args, node.kwargs),
-                           lambda n: (n.op == "placeholder", shape(env[n])))
+    args = fx.node.map_arg(
+        (node.args, node.kwargs), lambda n: (n.op == "placeholder", shape(env[n]))
+    )
     return f"{what} {args!r}"
 
 
@@ -527,13 +607,16 @@ class _Timer:
 def _fresh(value: Any) -> Any:
     """A value's tensors as new autograd leaves (floating ones require grad, as a stage's
     inputs from other units do)."""
+
     def leaf(t: torch.Tensor) -> torch.Tensor:
         return t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+
     return pytree.tree_map_only(torch.Tensor, leaf, value)
 
 
-def _unit_stats(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
-                measure: _Timer) -> UnitStats:
+def _unit_stats(
+    model: nn.Module, node: fx.Node, env: dict[fx.Node, Any], measure: _Timer
+) -> UnitStats:
     sources = [a for a in node.all_input_nodes if a.op != "get_attr"]
 
     def inputs() -> dict[fx.Node, Any]:
@@ -545,8 +628,9 @@ def _unit_stats(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
     def forward(local: dict[fx.Node, Any]) -> Any:  # no meter, as Pipelines run by default
         return _run_node(model, node, local)
 
-    def forward_for_backward(local: dict[fx.Node, Any]) -> tuple[list[torch.Tensor], list[Any],
-                                                                 list[torch.Tensor]]:
+    def forward_for_backward(
+        local: dict[fx.Node, Any],
+    ) -> tuple[list[torch.Tensor], list[Any], list[torch.Tensor]]:
         out = forward(local)
         roots = grad_leaves(out)
         grads = [torch.ones_like(r) for r in roots]
@@ -565,23 +649,32 @@ def _unit_stats(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any],
     forward_time = measure(inputs, forward)
     has_backward = bool(forward_for_backward(inputs())[0])
     if not has_backward:
-        return UnitStats(forward_time, 0.0, 0.0, 0.0, *_saved(model, node, inputs()),
-                         _tree_bytes(env[node]))
+        return UnitStats(
+            forward_time, 0.0, 0.0, 0.0, *_saved(model, node, inputs()), _tree_bytes(env[node])
+        )
     backward_time = measure(lambda: forward_for_backward(inputs()), backward)
     # the runtime's split backward (conveyor.runtime.backward): I, then W from what I kept
     input_time = measure(lambda: forward_for_backward(inputs()), split)
     weight_time = measure(lambda: split(forward_for_backward(inputs())), WeightGrad.run)
     kept = _storages(split(forward_for_backward(inputs())).tensors())
-    return UnitStats(forward_time, backward_time, input_time, weight_time,
-                     *_saved(model, node, inputs()), _tree_bytes(env[node]),
-                     sum(kept.values()))
+    return UnitStats(
+        forward_time,
+        backward_time,
+        input_time,
+        weight_time,
+        *_saved(model, node, inputs()),
+        _tree_bytes(env[node]),
+        sum(kept.values()),
+    )
 
 
-def _saved(model: nn.Module, node: fx.Node,
-           local: dict[fx.Node, Any]) -> tuple[int, int, tuple[bool, ...], bool]:
+def _saved(
+    model: nn.Module, node: fx.Node, local: dict[fx.Node, Any]
+) -> tuple[int, int, tuple[bool, ...], bool]:
     """Bytes autograd keeps for one forward of ``node``, split as ActivationMeter counts them."""
-    excluded = {t.untyped_storage().data_ptr() for t in list(model.parameters()) +
-                list(model.buffers())}
+    excluded = {
+        t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())
+    }
     kept: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -595,12 +688,20 @@ def _saved(model: nn.Module, node: fx.Node,
     sources = [a for a in node.all_input_nodes if a.op != "get_attr"]
     input_storages = [_storages(local[a]) for a in sources]
     output_storages = _storages(out)
-    saved = sum(b for p, b in kept.items() if p not in output_storages and
-                not any(p in s for s in input_storages))
-    output_bytes = sum(b for p, b in output_storages.items()
-                       if not any(p in s for s in input_storages))
-    return (saved, output_bytes, tuple(any(p in kept for p in s) for s in input_storages),
-            any(p in kept for p in output_storages))
+    saved = sum(
+        b
+        for p, b in kept.items()
+        if p not in output_storages and not any(p in s for s in input_storages)
+    )
+    output_bytes = sum(
+        b for p, b in output_storages.items() if not any(p in s for s in input_storages)
+    )
+    return (
+        saved,
+        output_bytes,
+        tuple(any(p in kept for p in s) for s in input_storages),
+        any(p in kept for p in output_storages),
+    )
 
 
 def _storages(value: Any) -> dict[int, int]:
@@ -634,8 +735,14 @@ def _loss_times(loss_fn: LossFn, output: Any, targets: Any, measure: _Timer) -> 
 # a stage does, and the units' times are scaled by the ratios, which the profile keeps in
 # ``calibration``. Factors outside [0.5, 2] mean the measurement was disturbed, and are
 # clamped.
-def _in_sequence(workload: Workload, inputs: Any, targets: Any, units: Sequence[UnitStats],
-                 loss: tuple[float, float], measure: _Timer) -> tuple[float, float]:
+def _in_sequence(
+    workload: Workload,
+    inputs: Any,
+    targets: Any,
+    units: Sequence[UnitStats],
+    loss: tuple[float, float],
+    measure: _Timer,
+) -> tuple[float, float]:
     """(forward, backward) factors: the whole model in sequence over its units alone."""
     model = workload.model
     bound = bind_inputs(model, inputs)
@@ -651,24 +758,36 @@ def _in_sequence(workload: Workload, inputs: Any, targets: Any, units: Sequence[
     _zero_grads(model)
     alone_forward = sum(u.forward for u in units)
     alone_backward = sum(u.backward for u in units) + loss[1]
-    factors = (forward_time / alone_forward if alone_forward else 1.0,
-               backward_time / alone_backward if alone_backward else 1.0)
+    factors = (
+        forward_time / alone_forward if alone_forward else 1.0,
+        backward_time / alone_backward if alone_backward else 1.0,
+    )
     return (min(max(factors[0], 0.5), 2.0), min(max(factors[1], 0.5), 2.0))
 
 
 def _median_stats(passes: Sequence[UnitStats]) -> UnitStats:
     """One unit's stats: the median time of each kind over the passes (bytes are exact)."""
+
     def median(field: str) -> float:
         return float(statistics.median(getattr(p, field) for p in passes))
-    return replace(passes[0], forward=median("forward"), backward=median("backward"),
-                   backward_input=median("backward_input"),
-                   backward_weight=median("backward_weight"))
+
+    return replace(
+        passes[0],
+        forward=median("forward"),
+        backward=median("backward"),
+        backward_input=median("backward_input"),
+        backward_weight=median("backward_weight"),
+    )
 
 
 def _times_by(stats: UnitStats, forward: float, backward: float) -> UnitStats:
-    return replace(stats, forward=stats.forward * forward, backward=stats.backward * backward,
-                   backward_input=stats.backward_input * backward,
-                   backward_weight=stats.backward_weight * backward)
+    return replace(
+        stats,
+        forward=stats.forward * forward,
+        backward=stats.backward * backward,
+        backward_input=stats.backward_input * backward,
+        backward_weight=stats.backward_weight * backward,
+    )
 
 
 def _zero_grads(model: nn.Module) -> None:
@@ -679,11 +798,23 @@ def _zero_grads(model: nn.Module) -> None:
 def scaled(profile: Profile, factor: float, bandwidth_factor: float = 1.0) -> Profile:
     """A profile with every time multiplied by ``factor`` and the link's bandwidth by
     ``bandwidth_factor`` (what-if studies: a faster device, a slower network)."""
-    stats = {size: tuple(replace(s, forward=s.forward * factor, backward=s.backward * factor,
-                                 backward_input=s.backward_input * factor,
-                                 backward_weight=s.backward_weight * factor) for s in values)
-             for size, values in profile.stats.items()}
+    stats = {
+        size: tuple(
+            replace(
+                s,
+                forward=s.forward * factor,
+                backward=s.backward * factor,
+                backward_input=s.backward_input * factor,
+                backward_weight=s.backward_weight * factor,
+            )
+            for s in values
+        )
+        for size, values in profile.stats.items()
+    }
     loss = {size: (f * factor, b * factor) for size, (f, b) in profile.loss.items()}
-    link = None if profile.link is None else replace(
-        profile.link, bandwidth=profile.link.bandwidth * bandwidth_factor)
+    link = (
+        None
+        if profile.link is None
+        else replace(profile.link, bandwidth=profile.link.bandwidth * bandwidth_factor)
+    )
     return replace(profile, stats=stats, loss=loss, link=link)

@@ -1,7 +1,7 @@
 """The planner's result: the plans it simulated, the best one, and the plan file it writes.
 
-    report.table()                 # the top plans, predicted
-    report.write("plan.json")      # Pipeline(model, plan="plan.json"), conveyor run --plan
+report.table()                 # the top plans, predicted
+report.write("plan.json")      # Pipeline(model, plan="plan.json"), conveyor run --plan
 """
 
 from __future__ import annotations
@@ -82,27 +82,35 @@ class PlanReport:
 
     def _nothing_fits(self) -> str:
         smallest = min(self.plans, key=lambda p: max(p.total_memory))
-        return (f"no plan fits in {_gib(self.memory_budget)} per rank; the smallest memory any "
-                f"plan needs is {_gib(max(smallest.total_memory))} per rank "
-                f"({smallest.schedule}, {smallest.num_microbatches} micro-batches, "
-                f"checkpointing {_modes(smallest.checkpoint)}); raise the budget, add ranks or "
-                "use a smaller batch")
+        return (
+            f"no plan fits in {_gib(self.memory_budget)} per rank; the smallest memory any "
+            f"plan needs is {_gib(max(smallest.total_memory))} per rank "
+            f"({smallest.schedule}, {smallest.num_microbatches} micro-batches, "
+            f"checkpointing {_modes(smallest.checkpoint)}); raise the budget, add ranks or "
+            "use a smaller batch"
+        )
 
     def pipeline_config(self, chosen: Plan | None = None) -> dict[str, Any]:
         """PipelineConfig fields that run ``chosen`` (default: the best plan)."""
         chosen = chosen or self.best
-        fields: dict[str, Any] = {"schedule": chosen.schedule,
-                                  "num_microbatches": chosen.num_microbatches}
+        fields: dict[str, Any] = {
+            "schedule": chosen.schedule,
+            "num_microbatches": chosen.num_microbatches,
+        }
         flat = [u for units in chosen.stage_units for u in units]
         if flat != sorted(flat):  # branches on their own stages: name each stage's modules
-            fields["stage_modules"] = [",".join(self.profile.units[u].target for u in units
-                                                if self.profile.units[u].target)
-                                       for units in chosen.stage_units]
+            fields["stage_modules"] = [
+                ",".join(
+                    self.profile.units[u].target for u in units if self.profile.units[u].target
+                )
+                for units in chosen.stage_units
+            ]
         elif self.sequential_children is not None:
             fields["balance"] = list(chosen.balance)
         else:
-            fields["split_points"] = [self.profile.units[units[0]].target
-                                      for units in chosen.stage_units[1:]]
+            fields["split_points"] = [
+                self.profile.units[units[0]].target for units in chosen.stage_units[1:]
+            ]
         if list(chosen.placement) != list(range(len(chosen.placement))):
             fields["placement"] = list(chosen.placement)
         if any(mode != "never" for mode in chosen.checkpoint):
@@ -115,34 +123,42 @@ class PlanReport:
         chosen = chosen or self.best
         data = {
             "pipeline": self.pipeline_config(chosen),
-            "model": self.profile.model, "ranks": self.num_ranks,
-            "batch_size": self.batch_size, "memory_budget": self.memory_budget,
+            "model": self.profile.model,
+            "ranks": self.num_ranks,
+            "batch_size": self.batch_size,
+            "memory_budget": self.memory_budget,
             "prediction": {
-                "step_time_s": chosen.step_time, "samples_per_s": chosen.samples_per_s,
+                "step_time_s": chosen.step_time,
+                "samples_per_s": chosen.samples_per_s,
                 "bubble_fraction": chosen.bubble_fraction,
                 "peak_activation_bytes": list(chosen.peak_activation),
                 "total_memory_bytes": list(chosen.total_memory),
-                "stage_units": [[self.profile.units[u].name for u in units]
-                                for units in chosen.stage_units]},
+                "stage_units": [
+                    [self.profile.units[u].name for u in units] for units in chosen.stage_units
+                ],
+            },
         }
         return write_atomic(path, json.dumps(data, indent=1) + "\n")
 
     def table(self, top: int = 10) -> str:
         """The top plans as a text table."""
-        rows = [f"{'#':>2}  {'schedule':<17}{'mb':>4}  {'split':<16}{'checkpoint':<14}"
-                f"{'step ms':>9}{'samples/s':>11}{'bubble':>8}  {'memory/rank (max)':>17}  fits"]
+        rows = [
+            f"{'#':>2}  {'schedule':<17}{'mb':>4}  {'split':<16}{'checkpoint':<14}"
+            f"{'step ms':>9}{'samples/s':>11}{'bubble':>8}  {'memory/rank (max)':>17}  fits"
+        ]
         for index, p in enumerate(self.plans[:top], start=1):
             split = ",".join(map(str, p.balance))
             rows.append(
                 f"{index:>2}  {p.schedule:<17}{p.num_microbatches:>4}  {_short(split, 15):<16}"
                 f"{_short(_modes(p.checkpoint), 13):<14}{p.step_time * 1e3:>9.2f}"
                 f"{p.samples_per_s:>11.1f}{p.bubble_fraction:>8.1%}  "
-                f"{_gib(max(p.total_memory)):>17}  {'yes' if p.fits else 'NO'}")
+                f"{_gib(max(p.total_memory)):>17}  {'yes' if p.fits else 'NO'}"
+            )
         return "\n".join(rows)
 
 
 def _short(text: str, width: int) -> str:
-    return text if len(text) <= width else text[:width - 1] + "~"
+    return text if len(text) <= width else text[: width - 1] + "~"
 
 
 def _modes(modes: Sequence[str]) -> str:
@@ -160,5 +176,4 @@ def _gib(value: float) -> str:
 
 def stage_graph_for(report: PlanReport, chosen: Plan) -> StageGraph:
     """The module-less StageGraph of a plan (for simulating or drawing it)."""
-    return layout(report.profile, [list(u) for u in chosen.stage_units],
-                  list(chosen.placement))[0]
+    return layout(report.profile, [list(u) for u in chosen.stage_units], list(chosen.placement))[0]

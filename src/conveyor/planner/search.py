@@ -46,12 +46,20 @@ __all__ = ["microbatch_counts", "microbatch_sizes", "plan", "unit_depth"]
 logger = logging.getLogger(__name__)
 
 
-def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_size: int, *,
-         profile: Profile | None = None, schedules: Sequence[str] | None = None,
-         microbatches: Sequence[int] | None = None,
-         objectives: Sequence[Objective] = ("time", "memory", "both", "even"),
-         checkpointing: bool = True, keep: int = 10,
-         time_budget_s: float | None = 50.0) -> PlanReport:
+def plan(
+    workload: Workload | None,
+    num_ranks: int,
+    memory_budget: int,
+    batch_size: int,
+    *,
+    profile: Profile | None = None,
+    schedules: Sequence[str] | None = None,
+    microbatches: Sequence[int] | None = None,
+    objectives: Sequence[Objective] = ("time", "memory", "both", "even"),
+    checkpointing: bool = True,
+    keep: int = 10,
+    time_budget_s: float | None = 50.0,
+) -> PlanReport:
     """Search splits, schedules, micro-batch counts and checkpointing; simulate each candidate.
 
     Args:
@@ -78,8 +86,9 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if batch_size < 1 or memory_budget <= 0:
-        raise ValueError(f"batch_size and memory_budget must be positive, got {batch_size} "
-                         f"and {memory_budget}")
+        raise ValueError(
+            f"batch_size and memory_budget must be positive, got {batch_size} and {memory_budget}"
+        )
     names = list(SCHEDULES) if schedules is None else list(schedules)
     unknown = [n for n in names if n not in SCHEDULES]
     if unknown:
@@ -87,8 +96,14 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
     counts = microbatch_counts(batch_size, num_ranks, names, microbatches)
     if any(m < 1 or m > batch_size for m in counts):
         raise ValueError(f"micro-batch counts {counts} must lie in 1..{batch_size} (the batch)")
-    profile, children = _profile_for(workload, profile, num_ranks, batch_size, counts,
-                                     max(layout_of(n).virtual_stages for n in names))
+    profile, children = _profile_for(
+        workload,
+        profile,
+        num_ranks,
+        batch_size,
+        counts,
+        max(layout_of(n).virtual_stages for n in names),
+    )
     # a graph model is also cut along an order that keeps each branch whole (conveyor.split.cut),
     # so that independent branches can sit on different ranks side by side
     orders: list[list[int] | None] = [None]
@@ -102,14 +117,24 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
     # over a graph), so a probe on a small pipeline orders them
     probe = {name: _build_time(name, min(num_ranks, 8)) for name in names}
     for order in orders:
-        search = _Search(profile if order is None else reordered(profile, order), num_ranks,
-                         memory_budget, batch_size, checkpointing, order)
+        search = _Search(
+            profile if order is None else reordered(profile, order),
+            num_ranks,
+            memory_budget,
+            batch_size,
+            checkpointing,
+            order,
+        )
         pending: list[_Candidate] = []
-        for m, name in sorted(((m, n) for m in counts for n in names),
-                              key=lambda pair: (probe[pair[1]] * pair[0], pair[0])):
+        for m, name in sorted(
+            ((m, n) for m in counts for n in names),
+            key=lambda pair: (probe[pair[1]] * pair[0], pair[0]),
+        ):
             if time_budget_s is not None and time.perf_counter() - start > time_budget_s / 2:
-                notes.append(f"{name} with {m} micro-batches: not tried, the search used its "
-                             f"time budget ({time_budget_s:.0f} s)")
+                notes.append(
+                    f"{name} with {m} micro-batches: not tried, the search used its "
+                    f"time budget ({time_budget_s:.0f} s)"
+                )
                 continue
             pending += _attempt(search, name, m, objectives, notes)
         deadline = None if time_budget_s is None else start + time_budget_s
@@ -118,13 +143,29 @@ def plan(workload: Workload | None, num_ranks: int, memory_budget: int, batch_si
         pruned += skipped
         notes += search.notes
     if not plans:
-        raise ValueError(f"no configuration could be placed on {num_ranks} ranks: " +
-                         "; ".join(notes[:4]))
+        raise ValueError(
+            f"no configuration could be placed on {num_ranks} ranks: " + "; ".join(notes[:4])
+        )
     plans.sort(key=lambda p: (not p.fits, p.step_time, max(p.total_memory)))
-    report = PlanReport(plans, profile, num_ranks, memory_budget, batch_size,
-                        time.perf_counter() - start, _unique(notes), children, pruned)
-    logger.info("planned %s for %d ranks: %d plans simulated (%d pruned by their bound) in "
-                "%.1f s", profile.model, num_ranks, len(plans), pruned, report.elapsed_s)
+    report = PlanReport(
+        plans,
+        profile,
+        num_ranks,
+        memory_budget,
+        batch_size,
+        time.perf_counter() - start,
+        _unique(notes),
+        children,
+        pruned,
+    )
+    logger.info(
+        "planned %s for %d ranks: %d plans simulated (%d pruned by their bound) in %.1f s",
+        profile.model,
+        num_ranks,
+        len(plans),
+        pruned,
+        report.elapsed_s,
+    )
     return report
 
 
@@ -139,8 +180,9 @@ def _build_time(name: str, num_ranks: int) -> float:
     return time.perf_counter() - began
 
 
-def _attempt(search: _Search, name: str, m: int, objectives: Sequence[Objective],
-             notes: list[str]) -> list[_Candidate]:
+def _attempt(
+    search: _Search, name: str, m: int, objectives: Sequence[Objective], notes: list[str]
+) -> list[_Candidate]:
     """Candidates of one schedule and micro-batch count; a note if it cannot run here."""
     try:
         return search.candidates(name, m, objectives)
@@ -178,8 +220,9 @@ class _Candidate:
     """The busiest rank's compute: no schedule finishes sooner."""
 
 
-def microbatch_counts(batch_size: int, num_ranks: int, names: Sequence[str],
-            microbatches: Sequence[int] | None) -> list[int]:
+def microbatch_counts(
+    batch_size: int, num_ranks: int, names: Sequence[str], microbatches: Sequence[int] | None
+) -> list[int]:
     if microbatches is not None:
         return list(microbatches)
     counts = _divisors(batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
@@ -191,9 +234,14 @@ def microbatch_sizes(batch_size: int, counts: Sequence[int]) -> list[int]:
     return sorted({max(1, round(batch_size / m)) for m in counts})
 
 
-def _profile_for(workload: Workload | None, profile: Profile | None, num_ranks: int,
-                 batch_size: int, counts: Sequence[int],
-                 max_virtual: int) -> tuple[Profile, list[str] | None]:
+def _profile_for(
+    workload: Workload | None,
+    profile: Profile | None,
+    num_ranks: int,
+    batch_size: int,
+    counts: Sequence[int],
+    max_virtual: int,
+) -> tuple[Profile, list[str] | None]:
     """The profile to plan with (measured now if not given), at a depth with enough units."""
     if workload is None and profile is None:
         raise ValueError("plan needs a workload to profile or a profile")
@@ -205,9 +253,11 @@ def _profile_for(workload: Workload | None, profile: Profile | None, num_ranks: 
         profile.check(trace_units(workload.model, profile.depth)[2])
     cut_points = sum(1 for u in profile.units if u.target)
     if cut_points < num_ranks:
-        raise ValueError(f"{profile.model} has {cut_points} layers to cut at, too few for "
-                         f"{num_ranks} ranks (every rank needs a stage of at least one layer); "
-                         f"plan for at most {cut_points} ranks")
+        raise ValueError(
+            f"{profile.model} has {cut_points} layers to cut at, too few for "
+            f"{num_ranks} ranks (every rank needs a stage of at least one layer); "
+            f"plan for at most {cut_points} ranks"
+        )
     children = None
     if workload is not None and isinstance(workload.model, nn.Sequential):
         names = [name for name, _ in workload.model.named_children()]
@@ -236,8 +286,15 @@ def unit_depth(model: nn.Module, num_stages: int, max_depth: int = 3) -> int:
 class _Search:
     """Candidates for one (schedule, micro-batch count): DP splits, checkpointing, simulation."""
 
-    def __init__(self, profile: Profile, num_ranks: int, memory_budget: int, batch_size: int,
-                 checkpointing: bool, order: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        num_ranks: int,
+        memory_budget: int,
+        batch_size: int,
+        checkpointing: bool,
+        order: list[int] | None = None,
+    ) -> None:
         self.profile = profile
         self.order = order
         """The original index of each unit of ``profile`` when it was reordered."""
@@ -253,19 +310,28 @@ class _Search:
     def _program(self, schedule: str, graph: StageGraph, m: int) -> Program:
         """A schedule's Program, made once per shape: it depends only on which stages feed
         which and where they sit, not on what the stages compute."""
-        key = (schedule, m, tuple((s.rank, tuple(graph.producers(s.index)),
-                                   MODEL_OUTPUT in s.outputs) for s in graph.stages))
+        key = (
+            schedule,
+            m,
+            tuple(
+                (s.rank, tuple(graph.producers(s.index)), MODEL_OUTPUT in s.outputs)
+                for s in graph.stages
+            ),
+        )
         if key not in self._programs:
             self._programs[key] = SCHEDULES[schedule](graph, m)
         return self._programs[key]
 
-    def candidates(self, schedule: str, m: int,
-                   objectives: Sequence[Objective]) -> list[_Candidate]:
+    def candidates(
+        self, schedule: str, m: int, objectives: Sequence[Objective]
+    ) -> list[_Candidate]:
         placement = stage_placement(schedule, self.num_ranks)
         num_stages = len(placement)
         if num_stages > int(self.can_start.sum()):
-            raise ValueError(f"needs {num_stages} stages but the model has only "
-                             f"{int(self.can_start.sum())} layers to cut at")
+            raise ValueError(
+                f"needs {num_stages} stages but the model has only "
+                f"{int(self.can_start.sum())} layers to cut at"
+            )
         shape = chain(num_stages, placement=placement)
         program = self._program(schedule, shape, m)  # ValueError if it cannot run here
         inflight = alive_per_stage(program, num_stages)
@@ -283,12 +349,26 @@ class _Search:
                 splits.setdefault(cuts, "memory")
         for cuts, objective in splits.items():
             for modes in self._checkpointing(costs, cuts, inflight, per_rank):
-                plans.append(_Candidate(schedule, m, cuts, tuple(placement), modes, objective,
-                                        self._bound(m, cuts, placement, modes)))
+                plans.append(
+                    _Candidate(
+                        schedule,
+                        m,
+                        cuts,
+                        tuple(placement),
+                        modes,
+                        objective,
+                        self._bound(m, cuts, placement, modes),
+                    )
+                )
         return plans
 
-    def _bound(self, m: int, cuts: tuple[tuple[int, ...], ...], placement: list[int],
-               modes: tuple[RecomputeMode, ...]) -> float:
+    def _bound(
+        self,
+        m: int,
+        cuts: tuple[tuple[int, ...], ...],
+        placement: list[int],
+        modes: tuple[RecomputeMode, ...],
+    ) -> float:
         """The busiest rank's compute over the step, as the simulator charges it."""
         graph, units = layout(self.profile, [list(c) for c in cuts], placement)
         cost = ProfileCost(self.profile, graph, units, self.batch_size / m, m, list(modes))
@@ -297,8 +377,9 @@ class _Search:
             work[placement[s]] += cost.stage_work(s)
         return max(work) + self.profile.overheads.step
 
-    def simulate_best(self, candidates: list[_Candidate], keep: int,
-                      deadline: float | None) -> tuple[list[Plan], int]:
+    def simulate_best(
+        self, candidates: list[_Candidate], keep: int, deadline: float | None
+    ) -> tuple[list[Plan], int]:
         """Simulate candidates by increasing bound until ``keep`` fitting plans beat the rest
         (or the deadline passes with one that fits); equal programs (two schedules that agree
         on this layout) are simulated once."""
@@ -310,15 +391,19 @@ class _Search:
             if len(fitting) >= keep and c.bound > sorted(fitting)[keep - 1]:
                 return plans, len(ordered) - index
             if fitting and deadline is not None and time.perf_counter() > deadline:
-                self.notes.append(f"{len(ordered) - index} candidates with larger lower bounds "
-                                  "were not simulated: the search used its time budget")
+                self.notes.append(
+                    f"{len(ordered) - index} candidates with larger lower bounds "
+                    "were not simulated: the search used its time budget"
+                )
                 return plans, len(ordered) - index
             graph, units = layout(self.profile, [list(u) for u in c.cuts], list(c.placement))
             try:
                 program = self._program(c.schedule, graph, c.m)
             except ValueError as error:  # e.g. a split whose skip connections make a graph
-                self.notes.append(f"{c.schedule} with {c.m} micro-batches, stages of "
-                                  f"{[len(u) for u in c.cuts]} units: {error}")
+                self.notes.append(
+                    f"{c.schedule} with {c.m} micro-batches, stages of "
+                    f"{[len(u) for u in c.cuts]} units: {error}"
+                )
                 continue
             key = (program.ranks, c.cuts, c.modes)
             if key in seen:
@@ -330,23 +415,38 @@ class _Search:
                 fitting.append(plan_.step_time)
         return plans, 0
 
-    def _split(self, costs: StageCosts, objective: Objective, inflight: list[int],
-               num_stages: int, per_rank: int, only: RecomputeMode | None = None
-               ) -> tuple[tuple[int, ...], ...] | None:
+    def _split(
+        self,
+        costs: StageCosts,
+        objective: Objective,
+        inflight: list[int],
+        num_stages: int,
+        per_rank: int,
+        only: RecomputeMode | None = None,
+    ) -> tuple[tuple[int, ...], ...] | None:
         """Stage boundaries from the DP (or an even split), as unit index tuples."""
         if objective == "even":
             starts = even_starts(self.can_start, num_stages)
         else:
             starts = bottleneck_split(
                 lambda j: self._stage_cost(costs, objective, inflight[j], per_rank, only),
-                self.can_start, num_stages, [inflight[j] for j in range(num_stages)])
+                self.can_start,
+                num_stages,
+                [inflight[j] for j in range(num_stages)],
+            )
         if starts is None:
             return None
         bounds = [*starts, self.num_units]
         return tuple(tuple(range(a, b)) for a, b in itertools.pairwise(bounds))
 
-    def _stage_cost(self, costs: StageCosts, objective: Objective, inflight: int,
-                    per_rank: int, only: RecomputeMode | None) -> np.ndarray:
+    def _stage_cost(
+        self,
+        costs: StageCosts,
+        objective: Objective,
+        inflight: int,
+        per_rank: int,
+        only: RecomputeMode | None,
+    ) -> np.ndarray:
         """Matrix of one stage's cost for every (first unit, end unit) pair."""
         budget = self.budget / per_rank
         modes = (only,) if only else self.modes
@@ -363,28 +463,46 @@ class _Search:
         memory_share = memory / max(costs.total_memory, 1.0)
         return np.maximum(time_share, memory_share)
 
-    def _checkpointing(self, costs: StageCosts, cuts: tuple[tuple[int, ...], ...],
-                       inflight: list[int], per_rank: int) -> list[tuple[RecomputeMode, ...]]:
+    def _checkpointing(
+        self,
+        costs: StageCosts,
+        cuts: tuple[tuple[int, ...], ...],
+        inflight: list[int],
+        per_rank: int,
+    ) -> list[tuple[RecomputeMode, ...]]:
         """Per stage, the fastest mode that fits its share of the budget; and all-always."""
         budget = self.budget / per_rank
         chosen: list[RecomputeMode] = []
         for j, units in enumerate(cuts):
             a, b = units[0], units[-1] + 1
-            fitting = [mode for mode in self.modes
-                       if costs.memory(mode, inflight[j])[a, b] <= budget]
+            fitting = [
+                mode for mode in self.modes if costs.memory(mode, inflight[j])[a, b] <= budget
+            ]
             chosen.append(fitting[0] if fitting else self.modes[-1])
         options = [tuple(chosen)]
         if "always" in self.modes:
             options.append(tuple("always" for _ in cuts))
         return list(dict.fromkeys(options))
 
-    def _simulate(self, c: _Candidate, graph: StageGraph, units: list[list[int]],
-                  program: Program) -> Plan:
+    def _simulate(
+        self, c: _Candidate, graph: StageGraph, units: list[list[int]], program: Program
+    ) -> Plan:
         cost = ProfileCost(self.profile, graph, units, self.batch_size / c.m, c.m, list(c.modes))
         prediction = predict(program, graph, cost, record=False)
         fits = all(total <= self.budget for total in prediction.total_memory)
         order = self.order
         cuts = c.cuts if order is None else tuple(tuple(order[u] for u in cut) for cut in c.cuts)
-        return Plan(c.schedule, c.m, cuts, c.placement, c.modes, c.objective,
-                    prediction.step_time, prediction.bubble_fraction,
-                    prediction.peak_activation, prediction.total_memory, fits, self.batch_size)
+        return Plan(
+            c.schedule,
+            c.m,
+            cuts,
+            c.placement,
+            c.modes,
+            c.objective,
+            prediction.step_time,
+            prediction.bubble_fraction,
+            prediction.peak_activation,
+            prediction.total_memory,
+            fits,
+            self.batch_size,
+        )

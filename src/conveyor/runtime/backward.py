@@ -1,8 +1,8 @@
 """Split backward: the input gradient now (I), the weight gradient later (W), with torch.autograd.
 
-    input_grads, weight = backward_input(roots, root_grads, inputs)   # I: send input_grads on
-    ...                                                               # other work fills the gap
-    weight.run()                                                      # W: accumulate into .grad
+input_grads, weight = backward_input(roots, root_grads, inputs)   # I: send input_grads on
+...                                                               # other work fills the gap
+weight.run()                                                      # W: accumulate into .grad
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ _Grads = tuple[torch.Tensor | None, ...]
 # happen (one weight used by two ops on the input path, e.g. tied weights on one stage); a
 # pre-hook then pins each frontier node's gradient to the one kept by I, so nothing is
 # counted twice.
-def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor]
-                   ) -> tuple[list[torch.Tensor | None], WeightGrad]:
+def backward_input(
+    roots: Sequence[torch.Tensor],
+    root_grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightGrad]:
     """Gradients of ``inputs`` (None where a root does not depend on one) and the deferred
     weight gradient, which holds only what it needs: the frontier nodes (with the
     activations they saved) and the gradients that reached them.
@@ -74,8 +76,12 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
         from_inputs = [i for i, e in enumerate(edges) if e.node in graph.input_nodes]
         found: Sequence[torch.Tensor | None] = [None] * len(wanted)
         if from_inputs and wanted:
-            found = grad_unchecked([edges[i] for i in from_inputs], [get_gradient_edge(x) for x in wanted],
-                          [seeds[i] for i in from_inputs], keep_graph=True)
+            found = grad_unchecked(
+                [edges[i] for i in from_inputs],
+                [get_gradient_edge(x) for x in wanted],
+                [seeds[i] for i in from_inputs],
+                keep_graph=True,
+            )
     finally:
         for handle in handles:
             handle.remove()
@@ -84,14 +90,18 @@ def backward_input(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Ten
     # every frontier node reaches an input, so I ran it and its pre-hook kept its gradients
     assert all(node in kept for node in graph.frontier), "a frontier node did not run in I"
     starts = [_Start(node, kept[node], pinned=True) for node in graph.frontier]
-    starts += [_Start(e.node, _one_hot(e, s), pinned=False) for e, s in zip(edges, seeds,
-               strict=True) if e.node not in graph.input_nodes]
+    starts += [
+        _Start(e.node, _one_hot(e, s), pinned=False)
+        for e, s in zip(edges, seeds, strict=True)
+        if e.node not in graph.input_nodes
+    ]
     return grads, WeightGrad(graph.group(starts))
 
 
 def _keeper(kept: dict[Node, _Grads], node: Node) -> Callable[[_Grads], None]:
     def keep(grads: _Grads) -> None:
         kept[node] = tuple(grads)
+
     return keep
 
 
@@ -189,8 +199,12 @@ class _Graph:
 class WeightGrad:
     """The deferred weight gradient of one stage and micro-batch; ``run`` it once."""
 
-    def __init__(self, groups: list[_Group], roots: Sequence[torch.Tensor] = (),
-                 root_grads: Sequence[torch.Tensor | None] = ()) -> None:
+    def __init__(
+        self,
+        groups: list[_Group],
+        roots: Sequence[torch.Tensor] = (),
+        root_grads: Sequence[torch.Tensor | None] = (),
+    ) -> None:
         self._groups = groups
         self._roots, self._root_grads = list(roots), list(root_grads)
         """A plain backward to run instead, when no input needs a gradient."""
@@ -232,7 +246,9 @@ def _run_group(group: _Group, keep_graph: bool) -> None:
     handles = [s.node.register_prehook(_pin(s.grads)) for s in pinned]
     leaves = group.leaves
     try:
-        found = grad_unchecked(outputs, [GradientEdge(leaf, 0) for leaf in leaves], grads, keep_graph)
+        found = grad_unchecked(
+            outputs, [GradientEdge(leaf, 0) for leaf in leaves], grads, keep_graph
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -245,6 +261,7 @@ def _run_group(group: _Group, keep_graph: bool) -> None:
 def _pin(grads: _Grads) -> Callable[[_Grads], _Grads]:
     def pin(_: _Grads) -> _Grads:
         return grads
+
     return pin
 
 
@@ -300,5 +317,8 @@ def _bits(mask: int) -> list[int]:
 
 def grad_leaves(value: Any) -> list[torch.Tensor]:
     """The tensors in ``value`` (any pytree) that carry a gradient back, in pytree order."""
-    return [leaf for leaf in pytree.tree_leaves(value)
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    return [
+        leaf
+        for leaf in pytree.tree_leaves(value)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]

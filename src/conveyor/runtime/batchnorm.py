@@ -1,6 +1,6 @@
 """Deferred batch norm (torchgpipe): running statistics over the mini-batch, not the micro-batch.
 
-    model = DeferredBatchNorm.convert(model, num_microbatches=4)   # or deferred_batch_norm=True
+model = DeferredBatchNorm.convert(model, num_microbatches=4)   # or deferred_batch_norm=True
 """
 
 from __future__ import annotations
@@ -62,8 +62,14 @@ class DeferredBatchNorm(nn.Module):
     running_var: torch.Tensor
     num_batches_tracked: torch.Tensor
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, num_microbatches: int = 1) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        num_microbatches: int = 1,
+    ) -> None:
         super().__init__()
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -88,8 +94,9 @@ class DeferredBatchNorm(nn.Module):
         if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d):
             if not module.track_running_stats or module.running_mean is None:
                 return module  # nothing to defer: it always uses the batch's statistics
-            deferred = cls(module.num_features, module.eps, module.momentum, module.affine,
-                           num_microbatches)
+            deferred = cls(
+                module.num_features, module.eps, module.momentum, module.affine, num_microbatches
+            )
             deferred.weight, deferred.bias = module.weight, module.bias
             deferred.running_mean = module.running_mean
             deferred.running_var = module.running_var  # type: ignore[assignment]  # tracked
@@ -104,11 +111,14 @@ class DeferredBatchNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[1] != self.num_features:
-            raise ValueError(f"DeferredBatchNorm expects (N, {self.num_features}, ...) input, "
-                             f"got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"DeferredBatchNorm expects (N, {self.num_features}, ...) input, "
+                f"got shape {tuple(x.shape)}"
+            )
         if not self.training:
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                                False, 0.0, self.eps)
+            return F.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            )
         if not _recomputing.get():
             self._track(x.detach())
         return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
@@ -124,7 +134,7 @@ class DeferredBatchNorm(nn.Module):
             total = self._count + count
             delta = mean - self._mean
             self._mean = self._mean + delta * (count / total)
-            self._m2 = self._m2 + m2 + delta ** 2 * (self._count * count / total)
+            self._m2 = self._m2 + m2 + delta**2 * (self._count * count / total)
         self._count += count
         self._seen += 1
         if self._seen == self.num_microbatches:
@@ -134,8 +144,7 @@ class DeferredBatchNorm(nn.Module):
     def _commit(self) -> None:
         assert self._mean is not None and self._m2 is not None
         self.num_batches_tracked += 1
-        factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                  else self.momentum)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = self._m2 / max(self._count - 1, 1)
         mean, var = self._mean.to(self.running_mean.dtype), unbiased.to(self.running_var.dtype)
         self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
@@ -144,5 +153,7 @@ class DeferredBatchNorm(nn.Module):
         self._mean = self._m2 = None
 
     def extra_repr(self) -> str:
-        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.weight is not None}, num_microbatches={self.num_microbatches}")
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.weight is not None}, num_microbatches={self.num_microbatches}"
+        )

@@ -55,9 +55,15 @@ class Meta:
     @classmethod
     def of(cls, value: Any) -> Meta:
         leaves, spec = pytree.tree_flatten(value)
-        return cls(spec, tuple(
-            LeafMeta(tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
-            if isinstance(leaf, torch.Tensor) else LeafMeta(constant=leaf) for leaf in leaves))
+        return cls(
+            spec,
+            tuple(
+                LeafMeta(tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+                if isinstance(leaf, torch.Tensor)
+                else LeafMeta(constant=leaf)
+                for leaf in leaves
+            ),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -90,8 +96,9 @@ class P2P:
     receives behind it on the same channel wait their turn, so the order holds.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
-                 timeout: timedelta) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, timeout: timedelta
+    ) -> None:
         self.group = group
         self.device = device
         self.timeout = timeout
@@ -116,8 +123,9 @@ class P2P:
                 if self.recorder is not None:
                     self.recorder.sent(leaf.numel() * leaf.element_size())
 
-    def post(self, src: int, meta: Meta | None, describe: str,
-             same_as: Receive | None = None) -> Receive:
+    def post(
+        self, src: int, meta: Meta | None, describe: str, same_as: Receive | None = None
+    ) -> Receive:
         """Post a receive from group rank ``src``.
 
         With ``meta=None`` a header comes first, unless ``same_as`` names an earlier receive
@@ -138,8 +146,11 @@ class P2P:
         while not receive.started:
             pending = queue.popleft()
             if pending.meta is None:
-                pending.meta = (pending.same_as.meta if pending.same_as is not None
-                                else self._recv_header(pending))
+                pending.meta = (
+                    pending.same_as.meta
+                    if pending.same_as is not None
+                    else self._recv_header(pending)
+                )
             self._start(pending)
         for work in receive.works:
             self._wait(work, receive.src, f"receiving {receive.describe}")
@@ -152,8 +163,11 @@ class P2P:
                 leaves.append(leaf.constant)
                 continue
             assert leaf.shape is not None and leaf.dtype is not None
-            tensor = (torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
-                      if buffer is None else buffer.view(leaf.dtype).view(leaf.shape))
+            tensor = (
+                torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
+                if buffer is None
+                else buffer.view(leaf.dtype).view(leaf.shape)
+            )
             leaves.append(tensor.requires_grad_(leaf.requires_grad))
         return pytree.tree_unflatten(leaves, receive.meta.spec)
 
@@ -239,8 +253,9 @@ _DIRECTIONS: list[dist.ProcessGroup] = []
 """The world's upward and downward group, once made."""
 
 
-def _directions(group: dist.ProcessGroup | None, timeout: timedelta
-                ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def _directions(
+    group: dist.ProcessGroup | None, timeout: timedelta
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(upward, downward) gloo groups over the world, or (None, None) (``group`` both ways)
     if ``group`` is not gloo or not the whole world. Collective the first time in a world."""
     if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():

@@ -32,8 +32,7 @@ if TYPE_CHECKING:
 
 from conveyor.torch_compat import pytree
 
-__all__ = ["ACTIONS", "ENV", "POINTS", "Fault", "attempt", "configured", "fire", "install",
-           "parse"]
+__all__ = ["ACTIONS", "ENV", "POINTS", "Fault", "attempt", "configured", "fire", "install", "parse"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +83,10 @@ def parse(text: str) -> tuple[Fault, ...]:
             continue
         point, *options = item.split(":")
         if point not in POINTS:
-            raise ValueError(f"{ENV}: unknown injection point {point!r} in {item!r}; expected "
-                             f"one of {sorted(POINTS)}")
+            raise ValueError(
+                f"{ENV}: unknown injection point {point!r} in {item!r}; expected "
+                f"one of {sorted(POINTS)}"
+            )
         fields: dict[str, Any] = {}
         for option in options:
             name, _, value = option.partition("=")
@@ -94,9 +95,11 @@ def parse(text: str) -> tuple[Fault, ...]:
             elif name == "action" and value in ACTIONS:
                 fields[name] = value
             else:
-                raise ValueError(f"{ENV}: cannot read {option!r} in {item!r}; expected "
-                                 "rank=N, step=N, attempt=N or action=kill|enospc, e.g. "
-                                 "'backward:rank=1:step=3'")
+                raise ValueError(
+                    f"{ENV}: cannot read {option!r} in {item!r}; expected "
+                    "rank=N, step=N, attempt=N or action=kill|enospc, e.g. "
+                    "'backward:rank=1:step=3'"
+                )
         faults.append(Fault(point, **fields))
     return tuple(faults)
 
@@ -130,8 +133,13 @@ def fire(point: str, *, step: int | None, rank: int | None = None) -> None:
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
     for fault in faults:
-        if (fault.point == point and fault not in _fired and fault.attempt == attempt()
-                and fault.rank in (None, rank) and fault.step in (None, step)):
+        if (
+            fault.point == point
+            and fault not in _fired
+            and fault.attempt == attempt()
+            and fault.rank in (None, rank)
+            and fault.step in (None, step)
+        ):
             _fired.add(fault)
             _trigger(fault, rank, step)
 
@@ -141,13 +149,13 @@ def _trigger(fault: Fault, rank: int, step: int | None) -> None:
     if fault.action == "enospc":
         logger.warning("[rank %d] injected fault %s: raising ENOSPC (%s)", rank, fault, where)
         raise OSError(errno.ENOSPC, f"No space left on device (injected fault {fault}, {where})")
-    print(f"[rank {rank}] injected fault {fault}: SIGKILL ({where})", file=sys.stderr,
-          flush=True)
+    print(f"[rank {rank}] injected fault {fault}: SIGKILL ({where})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install(pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None
-            ) -> list[RemovableHandle]:
+def install(
+    pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None
+) -> list[RemovableHandle]:
     """Hook the training points (forward, backward, optimizer_step) into ``pipe``'s stages and
     ``optimizer`` when a fault for one of them is armed; returns the hooks (empty if none).
 
@@ -160,13 +168,19 @@ def install(pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None
         return []
     handles = []
     for module in pipe.stages.values():
-        handles.append(module.register_forward_pre_hook(
-            lambda _module, _args: fire("forward", step=pipe.step_index)))
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _module, _args: fire("forward", step=pipe.step_index)
+            )
+        )
         handles.append(module.register_forward_hook(_backward_hook(pipe)))
     if optimizer is not None:
         # Pipeline.step has counted the step already when the optimizer runs
-        handles.append(optimizer.register_step_pre_hook(
-            lambda _opt, _args, _kwargs: fire("optimizer_step", step=pipe.step_index - 1)))
+        handles.append(
+            optimizer.register_step_pre_hook(
+                lambda _opt, _args, _kwargs: fire("optimizer_step", step=pipe.step_index - 1)
+            )
+        )
     return handles
 
 
@@ -178,6 +192,8 @@ def _backward_hook(pipe: Pipeline) -> Callable[[torch.nn.Module, Any, Any], None
         for leaf in pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(  # type: ignore[no-untyped-call]  # torch leaves it untyped
-                    lambda _grad: fire("backward", step=step))
+                    lambda _grad: fire("backward", step=step)
+                )
                 return
+
     return hook

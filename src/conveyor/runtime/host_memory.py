@@ -1,6 +1,6 @@
 """Keep freed host memory for reuse, as PyTorch's CUDA caching allocator does on a GPU.
 
-    keep_freed_memory()   # once per process; Pipeline and the profiler call it by default
+keep_freed_memory()   # once per process; Pipeline and the profiler call it by default
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ def keep_freed_memory() -> bool:
         logger.info("freed host memory is returned to the system: the C library is not glibc")
         return False
     mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and
-                   mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
+    applied = bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+        and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    )
     if not applied:
-        logger.warning("glibc refused mallopt: freed host memory is returned to the system "
-                       "and steps pay page faults for it")
+        logger.warning(
+            "glibc refused mallopt: freed host memory is returned to the system "
+            "and steps pay page faults for it"
+        )
     return applied

@@ -63,9 +63,17 @@ class _State:
 class Runtime:
     """Runs one rank's actions over its local stages, talking to peers through ``P2P``."""
 
-    def __init__(self, graph: StageGraph, rank: int, p2p: P2P, device: torch.device,
-                 loss_fn: LossFn | None, checkpoint: RecomputeMode | Sequence[RecomputeMode],
-                 seed: int, measure_memory: bool) -> None:
+    def __init__(
+        self,
+        graph: StageGraph,
+        rank: int,
+        p2p: P2P,
+        device: torch.device,
+        loss_fn: LossFn | None,
+        checkpoint: RecomputeMode | Sequence[RecomputeMode],
+        seed: int,
+        measure_memory: bool,
+    ) -> None:
         self.graph = graph
         self.rank = rank
         self.p2p = p2p
@@ -85,10 +93,14 @@ class Runtime:
         """Set to record every action's start and end (conveyor.trace)."""
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
         self._handlers: dict[Kind, Callable[[Action], None]] = {
-            Kind.F: self._forward, Kind.B: self._backward,
-            Kind.I: self._backward_input, Kind.W: self._backward_weight,
-            Kind.SEND_F: self._send_forward, Kind.RECV_F: self._recv_forward,
-            Kind.SEND_B: self._send_backward, Kind.RECV_B: self._recv_backward,
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.I: self._backward_input,
+            Kind.W: self._backward_weight,
+            Kind.SEND_F: self._send_forward,
+            Kind.RECV_F: self._recv_forward,
+            Kind.SEND_B: self._send_backward,
+            Kind.RECV_B: self._recv_backward,
         }
 
     def run(self, actions: Sequence[Action], step: StepInputs) -> _State:
@@ -114,22 +126,30 @@ class Runtime:
     def _forward(self, action: Action) -> None:
         s, k = action.stage, action.microbatch
         stage = self.graph.stages[s]
-        received = {u: self.p2p.wait(self._state.receives.pop(Action(s, Kind.RECV_F, k, u)))
-                    for u in self.graph.producers(s) if self.graph.rank_of(u) != self.rank}
+        received = {
+            u: self.p2p.wait(self._state.receives.pop(Action(s, Kind.RECV_F, k, u)))
+            for u in self.graph.producers(s)
+            if self.graph.rank_of(u) != self.rank
+        }
         args = [self._input(s, k, name, received) for name in stage.inputs]
         end: list[RngState] = []
-        with (rng_stream(self._rng_start(s, k, received), self.device, end),
-              self.meter.saving((s, k))):
+        with (
+            rng_stream(self._rng_start(s, k, received), self.device, end),
+            self.meter.saving((s, k)),
+        ):
             if self._is_recomputed(k, s):
-                out = recompute(self.modules[s], *args, use_reentrant=False,
-                                context_fn=recompute_context)
+                out = recompute(
+                    self.modules[s], *args, use_reentrant=False, context_fn=recompute_context
+                )
             else:
                 out = self.modules[s](*args)
         self._state.rng_end[(s, k)] = end[0]
         if not isinstance(out, tuple) or len(out) != len(stage.outputs):
-            raise RuntimeError(f"rank {self.rank} (stage {s}): stage module returned "
-                               f"{type(out).__name__}; expected a tuple of {len(stage.outputs)} "
-                               f"values {list(stage.outputs)}")
+            raise RuntimeError(
+                f"rank {self.rank} (stage {s}): stage module returned "
+                f"{type(out).__name__}; expected a tuple of {len(stage.outputs)} "
+                f"values {list(stage.outputs)}"
+            )
         outputs = dict(zip(stage.outputs, out, strict=True))
         self._state.outputs[(s, k)] = outputs
         if self._step.is_training:
@@ -144,8 +164,9 @@ class Runtime:
             self._state.model_outputs[k] = output
             return
         if self.loss_fn is None or step.targets is None:
-            raise ValueError("training needs a loss: pass loss_fn to the Pipeline and targets "
-                             "to step()")
+            raise ValueError(
+                "training needs a loss: pass loss_fn to the Pipeline and targets to step()"
+            )
         self._state.losses[k] = self.loss_fn(output, step.targets[k]) * step.loss_weights[k]
 
     def _input(self, s: int, k: int, name: str, received: dict[int, Any]) -> Any:
@@ -156,8 +177,9 @@ class Runtime:
         if producer in received:
             value = received[producer]["values"][name]
         else:
-            value = pytree.tree_map_only(torch.Tensor, _leaf,
-                                         self._state.outputs[(producer, k)][name])
+            value = pytree.tree_map_only(
+                torch.Tensor, _leaf, self._state.outputs[(producer, k)][name]
+            )
         self._state.inputs.setdefault((s, k), {})[name] = value
         return value
 
@@ -189,9 +211,13 @@ class Runtime:
             torch.autograd.backward(roots, grads)
         inputs = self._state.inputs.pop((s, k), {})
         self._state.input_grads[(s, k)] = {
-            name: [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                   for leaf in grad_leaves(value)]
-            for name, value in inputs.items() if self.graph.producer(name) is not None}
+            name: [
+                leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                for leaf in grad_leaves(value)
+            ]
+            for name, value in inputs.items()
+            if self.graph.producer(name) is not None
+        }
         self._forget_forward(s, k)
         self.meter.release((s, k))
 
@@ -202,15 +228,18 @@ class Runtime:
         """
         s, k = action.stage, action.microbatch
         roots, grads = self._roots(s, k)
-        inputs = {name: grad_leaves(value)
-                  for name, value in self._state.inputs.pop((s, k), {}).items()
-                  if self.graph.producer(name) is not None}
+        inputs = {
+            name: grad_leaves(value)
+            for name, value in self._state.inputs.pop((s, k), {}).items()
+            if self.graph.producer(name) is not None
+        }
         found, weight = backward_input(roots, grads, [x for xs in inputs.values() for x in xs])
         del roots, grads
         found_iter = iter(found)
         self._state.input_grads[(s, k)] = {
             name: [_or_zeros(next(found_iter), leaf) for leaf in leaves]
-            for name, leaves in inputs.items()}
+            for name, leaves in inputs.items()
+        }
         self._state.weight_grads[(s, k)] = weight
         self._forget_forward(s, k)
         self.meter.keep_only((s, k), weight.tensors())
@@ -220,8 +249,10 @@ class Runtime:
         s, k = action.stage, action.microbatch
         weight = self._state.weight_grads.pop((s, k), None)
         if weight is None:
-            raise RuntimeError(f"rank {self.rank} (stage {s}): {action} runs before {s}I{k}; a "
-                               "W needs the I of the same stage and micro-batch first")
+            raise RuntimeError(
+                f"rank {self.rank} (stage {s}): {action} runs before {s}I{k}; a "
+                "W needs the I of the same stage and micro-batch first"
+            )
         weight.run()
         self.meter.release((s, k))
 
@@ -251,12 +282,13 @@ class Runtime:
                 per_name, start = [], 0
                 for name in names:
                     count = len(grad_leaves(outputs[name]))
-                    per_name.append(flat[start:start + count])
+                    per_name.append(flat[start : start + count])
                     start += count
             for name, grads in zip(names, per_name, strict=True):
                 total = totals.get(name)
-                totals[name] = (grads if total is None
-                                else [a + b for a, b in zip(total, grads, strict=True)])
+                totals[name] = (
+                    grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+                )
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor | None] = []
         if s == self.graph.sink:
@@ -275,8 +307,10 @@ class Runtime:
         outputs = self._state.outputs[(s, k)]
         values = {name: outputs[name] for name in self.graph.edge_values(s, d)}
         rng = self._state.rng_end[(s, k)]
-        message = {"values": values,
-                   "rng": (rng.cpu,) if rng.device is None else (rng.cpu, rng.device)}
+        message = {
+            "values": values,
+            "rng": (rng.cpu,) if rng.device is None else (rng.cpu, rng.device),
+        }
         meta = Meta.of(message)
         key = (s, d, self._step.signatures[k], self._step.is_training)
         known = self._meta.get(key)
@@ -286,11 +320,13 @@ class Runtime:
                 f"rank {self.rank} (stage {s}): the values sent to stage {d} for micro-batch {k} "
                 f"changed shape for the same input shapes ({_shapes(known)} before, "
                 f"{_shapes(meta)} now); conveyor exchanges shapes once per input shape, so "
-                "a stage's output shapes must depend only on its input shapes")
+                "a stage's output shapes must depend only on its input shapes"
+            )
         self._meta[key] = meta
         self._state.sent_meta[(s, d, k)] = Meta.of(values)
-        self.p2p.send(message, self.graph.rank_of(d), str(action),
-                      header=meta if known is None else None)
+        self.p2p.send(
+            message, self.graph.rank_of(d), str(action), header=meta if known is None else None
+        )
 
     def _recv_forward(self, action: Action) -> None:
         s, k, u = action.stage, action.microbatch, action.peer
@@ -319,8 +355,13 @@ class Runtime:
         s, k, d = action.stage, action.microbatch, action.peer
         assert d is not None
         sent = self._state.sent_meta.pop((s, d, k))
-        meta = Meta.of([torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-                        for leaf in sent.leaves if leaf.requires_grad and leaf.shape is not None])
+        meta = Meta.of(
+            [
+                torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+                for leaf in sent.leaves
+                if leaf.requires_grad and leaf.shape is not None
+            ]
+        )
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
 
 
@@ -334,5 +375,8 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _shapes(meta: Meta) -> str:
-    return ", ".join(f"{tuple(leaf.shape)} {leaf.dtype}".replace("torch.", "")
-                     for leaf in meta.leaves if leaf.shape is not None)
+    return ", ".join(
+        f"{tuple(leaf.shape)} {leaf.dtype}".replace("torch.", "")
+        for leaf in meta.leaves
+        if leaf.shape is not None
+    )

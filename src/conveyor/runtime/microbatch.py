@@ -30,13 +30,18 @@ def split(value: Any, num_microbatches: int, size: int | None = None) -> list[An
     if size is None:
         return [value] * num_microbatches
     if size < num_microbatches:
-        raise ValueError(f"batch of {size} samples cannot be split into {num_microbatches} "
-                         f"micro-batches; use a batch of at least {num_microbatches} samples or "
-                         "fewer micro-batches")
+        raise ValueError(
+            f"batch of {size} samples cannot be split into {num_microbatches} "
+            f"micro-batches; use a batch of at least {num_microbatches} samples or "
+            "fewer micro-batches"
+        )
     leaves, spec = pytree.tree_flatten(value)
-    columns = [torch.tensor_split(leaf, num_microbatches)
-               if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size
-               else [leaf] * num_microbatches for leaf in leaves]
+    columns = [
+        torch.tensor_split(leaf, num_microbatches)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size
+        else [leaf] * num_microbatches
+        for leaf in leaves
+    ]
     return [pytree.tree_unflatten([c[k] for c in columns], spec) for k in range(num_microbatches)]
 
 
@@ -47,6 +52,10 @@ def merge(chunks: list[Any]) -> Any:
     """
     columns = [pytree.tree_flatten(chunk)[0] for chunk in chunks]
     spec = pytree.tree_flatten(chunks[0])[1]
-    merged = [torch.cat(list(column)) if isinstance(column[0], torch.Tensor)
-              and column[0].dim() > 0 else column[0] for column in zip(*columns, strict=True)]
+    merged = [
+        torch.cat(list(column))
+        if isinstance(column[0], torch.Tensor) and column[0].dim() > 0
+        else column[0]
+        for column in zip(*columns, strict=True)
+    ]
     return pytree.tree_unflatten(merged, spec)

@@ -46,8 +46,7 @@ class RngState:
 
 
 @contextmanager
-def rng_stream(start: RngState | int, device: torch.device,
-               end: list[RngState]) -> Iterator[None]:
+def rng_stream(start: RngState | int, device: torch.device, end: list[RngState]) -> Iterator[None]:
     """Run the body on the stream ``start`` (a state or a seed); append the final state to
     ``end``. The caller's own generator state is left untouched."""
     devices = [] if device.type == "cpu" else [device]

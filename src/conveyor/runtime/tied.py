@@ -1,8 +1,8 @@
 """Tied weights: one parameter used by stages on several ranks, kept identical everywhere.
 
-    ties = find_ties(graph, declared=["0.tokens.weight,5.out.weight"])   # or found alone
-    tied = TiedWeights(ties, graph, rank, stages, group)   # shares, then equalizes values
-    before = tied.gradients(); ...backward...; tied.sum_gradients(before)
+ties = find_ties(graph, declared=["0.tokens.weight,5.out.weight"])   # or found alone
+tied = TiedWeights(ties, graph, rank, stages, group)   # shares, then equalizes values
+before = tied.gradients(); ...backward...; tied.sum_gradients(before)
 """
 
 from __future__ import annotations
@@ -74,11 +74,15 @@ def find_ties(graph: StageGraph, declared: Sequence[str] = ()) -> list[Tie]:
         names = [n.strip() for n in group.split(",") if n.strip()]
         missing = [n for n in names if n not in parent]
         if missing:
-            raise ValueError(f"tie_weights names {missing}, which no stage holds; expected "
-                             f"qualified parameter names such as {sorted(parent)[:4]}")
+            raise ValueError(
+                f"tie_weights names {missing}, which no stage holds; expected "
+                f"qualified parameter names such as {sorted(parent)[:4]}"
+            )
         if len({kinds[n] for n in names}) > 1:
-            raise ValueError(f"tie_weights group {names} mixes shapes or dtypes "
-                             f"{[kinds[n] for n in names]}; tied parameters must match")
+            raise ValueError(
+                f"tie_weights group {names} mixes shapes or dtypes "
+                f"{[kinds[n] for n in names]}; tied parameters must match"
+            )
         for name in names[1:]:
             join(names[0], name)
     found: dict[str, list[tuple[int, str]]] = {}
@@ -101,8 +105,14 @@ def find_ties(graph: StageGraph, declared: Sequence[str] = ()) -> list[Tie]:
 class TiedWeights:
     """This rank's part of the ties: its shared Parameters and the groups to sum over."""
 
-    def __init__(self, ties: Sequence[Tie], graph: StageGraph, rank: int,
-                 stages: dict[int, nn.Module], group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        ties: Sequence[Tie],
+        graph: StageGraph,
+        rank: int,
+        stages: dict[int, nn.Module],
+        group: dist.ProcessGroup | None,
+    ) -> None:
         self.rank = rank
         self.params: list[tuple[Tie, nn.Parameter, dist.ProcessGroup | None, int]] = []
         """(tie, this rank's Parameter, the tie's group, its source rank) for cross-rank ties."""
@@ -119,9 +129,11 @@ class TiedWeights:
             members = tuple(sorted(_global(group, r) for r in ranks))
             self.params.append((tie, param, _tie_group(members), _global(group, ranks[0])))
         if self.params:
-            logger.info("[rank %d] tied across ranks: %s", rank,
-                        ", ".join(f"{t.name} (stages {[s for s, _ in t.users]})"
-                                  for t, *_ in self.params))
+            logger.info(
+                "[rank %d] tied across ranks: %s",
+                rank,
+                ", ".join(f"{t.name} (stages {[s for s, _ in t.users]})" for t, *_ in self.params),
+            )
 
     def equalize(self) -> None:
         """Give every copy the value of the tie's first stage (collective over each tie)."""

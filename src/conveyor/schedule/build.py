@@ -1,7 +1,7 @@
 """Resolve a schedule (a name, a file of schedule text, or a function) into a valid Program.
 
-    program = build_program("zb-h1", graph, num_microbatches=8)
-    program = from_text(Path("mine.txt").read_text(), graph)
+program = build_program("zb-h1", graph, num_microbatches=8)
+program = from_text(Path("mine.txt").read_text(), graph)
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def build_program(schedule: str | Schedule, graph: StageGraph, num_microbatches:
     elif Path(schedule).is_file():
         return from_text(Path(schedule).read_text(), graph, num_microbatches)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)} "
-                         "or the path of a schedule file (one line of actions per rank)")
+        raise ValueError(
+            f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)} "
+            "or the path of a schedule file (one line of actions per rank)"
+        )
     validate(program, graph)
     return program

@@ -40,22 +40,27 @@ def one_f_one_b(graph: StageGraph, num_microbatches: int) -> Program:
         order = [Action(stage, Kind.F, k) for k in range(warmup)]
         for k in range(num_microbatches - warmup):
             order += [Action(stage, Kind.F, warmup + k), Action(stage, Kind.B, k)]
-        order += [Action(stage, Kind.B, k)
-                  for k in range(num_microbatches - warmup, num_microbatches)]
+        order += [
+            Action(stage, Kind.B, k) for k in range(num_microbatches - warmup, num_microbatches)
+        ]
         compute.append(order)
     return add_communication(graph, compute, num_microbatches)
 
 
 def forward_only(graph: StageGraph, num_microbatches: int) -> Program:
     """Inference: every micro-batch forward through every stage, no backward."""
-    compute = [[Action(s, Kind.F, k) for k in range(num_microbatches) for s in graph.stages_on(r)]
-               for r in range(graph.num_ranks)]
+    compute = [
+        [Action(s, Kind.F, k) for k in range(num_microbatches) for s in graph.stages_on(r)]
+        for r in range(graph.num_ranks)
+    ]
     return add_communication(graph, compute, num_microbatches)
 
 
 def _only_stage(graph: StageGraph, rank: int, schedule: str) -> int:
     stages = graph.stages_on(rank)
     if len(stages) != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank, but rank {rank} holds "
-                         f"stages {stages}; use an interleaved schedule for virtual stages")
+        raise ValueError(
+            f"schedule {schedule!r} runs one stage per rank, but rank {rank} holds "
+            f"stages {stages}; use an interleaved schedule for virtual stages"
+        )
     return stages[0]

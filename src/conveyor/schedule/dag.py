@@ -56,24 +56,29 @@ class _Scheduler:
         self.finish: dict[tuple[int, Kind, int], float] = {}
         self.free = [0.0] * graph.num_ranks
         self.next_forward = {s.index: 0 for s in graph.stages}
-        self.backwards = {s.index: [*range(m)] if self.style == "1f1b" else [*range(m)][::-1]
-                          for s in graph.stages}
-        self.limit = {s.index: (graph.distance_to_sink(s.index) + 1 if self.style == "1f1b"
-                                else math.inf) for s in graph.stages}
+        self.backwards = {
+            s.index: [*range(m)] if self.style == "1f1b" else [*range(m)][::-1]
+            for s in graph.stages
+        }
+        self.limit = {
+            s.index: (graph.distance_to_sink(s.index) + 1 if self.style == "1f1b" else math.inf)
+            for s in graph.stages
+        }
         self.orders: list[list[Action]] = [[] for _ in range(graph.num_ranks)]
         self.to_source: dict[int, int] = {}  # stages on the longest path up to a first stage
         for stage in graph.stages:
             self.to_source[stage.index] = 1 + max(
-                (self.to_source[p] for p in graph.producers(stage.index)), default=-1)
+                (self.to_source[p] for p in graph.producers(stage.index)), default=-1
+            )
 
     def run(self) -> list[list[Action]]:
         remaining = 2 * self.graph.num_stages * self.num_microbatches
         while remaining:
-            choices = [c for r in range(self.graph.num_ranks)
-                       if (c := self._choose(r)) is not None]
+            choices = [c for r in range(self.graph.num_ranks) if (c := self._choose(r)) is not None]
             if not choices:
-                raise AssertionError(f"list scheduling stalled with {remaining} actions left; "
-                                     "this is a conveyor bug")
+                raise AssertionError(
+                    f"list scheduling stalled with {remaining} actions left; this is a conveyor bug"
+                )
             start, rank, action = min(choices, key=lambda c: (c[0], c[1]))
             key = (action.stage, action.kind, action.microbatch)
             self.finish[key] = start + self.cost.compute(action)
@@ -138,15 +143,26 @@ class _Scheduler:
         the critical path: for a forward the longest path to the sink, for a backward the
         longest path back to a first stage."""
         if action.kind is Kind.F:
-            return int(self.style == "1f1b"), action.microbatch, \
-                -self.graph.distance_to_sink(action.stage)
-        position = (action.microbatch if self.style == "1f1b"
-                    else self.num_microbatches - 1 - action.microbatch)
+            return (
+                int(self.style == "1f1b"),
+                action.microbatch,
+                -self.graph.distance_to_sink(action.stage),
+            )
+        position = (
+            action.microbatch
+            if self.style == "1f1b"
+            else self.num_microbatches - 1 - action.microbatch
+        )
         return 0, position, -self.to_source[action.stage]
 
 
-def list_schedule(graph: StageGraph, num_microbatches: int, *, style: GraphStyle = "1f1b",
-                  cost: CostModel | None = None) -> Program:
+def list_schedule(
+    graph: StageGraph,
+    num_microbatches: int,
+    *,
+    style: GraphStyle = "1f1b",
+    cost: CostModel | None = None,
+) -> Program:
     """A Program for any stage graph, by list scheduling against ``cost`` (default F=1, B=2).
 
     Stages run micro-batches in order; each action waits for its inputs (forwards of its

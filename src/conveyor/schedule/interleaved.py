@@ -49,7 +49,7 @@ def interleaved_1f1b(graph: StageGraph, num_microbatches: int) -> Program:
         order = forwards[:warmup]
         for forward, backward in zip(forwards[warmup:], backwards, strict=False):
             order += [forward, backward]
-        order += backwards[len(forwards) - warmup:]
+        order += backwards[len(forwards) - warmup :]
         compute.append(order)
     return add_communication(graph, compute, num_microbatches)
 
@@ -71,7 +71,8 @@ def loop_chunks(graph: StageGraph, schedule: str) -> list[list[int]]:
         raise ValueError(
             f"schedule {schedule!r} needs a chain whose stages are placed in a loop (stage s on "
             f"rank s % {num_ranks}, the same number on every rank); got placement {placement}. "
-            f"Use placement_style='loop' with a multiple of {num_ranks} stages")
+            f"Use placement_style='loop' with a multiple of {num_ranks} stages"
+        )
     require_chain(graph, schedule)
     return [graph.stages_on(rank) for rank in range(num_ranks)]
 
@@ -82,4 +83,5 @@ def require_chain(graph: StageGraph, schedule: str) -> None:
             raise ValueError(
                 f"schedule {schedule!r} runs chains (stage i feeds only stage i + 1), but stage "
                 f"{stage} takes inputs from stages {graph.producers(stage)}; use 'gpipe' or "
-                "'1f1b' for graphs with skip connections or branches")
+                "'1f1b' for graphs with skip connections or branches"
+            )

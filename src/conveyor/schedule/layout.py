@@ -1,7 +1,7 @@
 """Where a schedule wants its stages: stages per rank and their placement, in one rule.
 
-    stage_placement("zb-v", num_ranks=4)          # [0, 1, 2, 3, 3, 2, 1, 0]
-    stage_placement("1f1b", 2, num_stages=2)      # [0, 1]
+stage_placement("zb-v", num_ranks=4)          # [0, 1, 2, 3, 3, 2, 1, 0]
+stage_placement("1f1b", 2, num_stages=2)      # [0, 1]
 """
 
 from __future__ import annotations
@@ -40,9 +40,14 @@ def layout_of(schedule: str | Schedule) -> Layout:
     return LAYOUTS.get(schedule, Layout()) if isinstance(schedule, str) else Layout()
 
 
-def stage_placement(schedule: str | Schedule, num_ranks: int, *, num_stages: int | None = None,
-                    virtual_stages: int | None = None,
-                    style: PlacementStyle | None = None) -> list[int]:
+def stage_placement(
+    schedule: str | Schedule,
+    num_ranks: int,
+    *,
+    num_stages: int | None = None,
+    virtual_stages: int | None = None,
+    style: PlacementStyle | None = None,
+) -> list[int]:
     """Rank of each stage when ``schedule`` runs on ``num_ranks`` ranks.
 
     ``num_stages`` is what the split fixes (balance, split points), else ``virtual_stages``
@@ -56,12 +61,13 @@ def stage_placement(schedule: str | Schedule, num_ranks: int, *, num_stages: int
     wanted = layout_of(schedule)
     per_rank = virtual_stages or wanted.virtual_stages
     if num_ranks < 1 or per_rank < 1:
-        raise ValueError(f"ranks and stages per rank must be >= 1, got {num_ranks} and "
-                         f"{per_rank}")
+        raise ValueError(f"ranks and stages per rank must be >= 1, got {num_ranks} and {per_rank}")
     if virtual_stages is not None and num_stages not in (None, per_rank * num_ranks):
-        raise ValueError(f"virtual_stages={per_rank} on {num_ranks} ranks makes "
-                         f"{per_rank * num_ranks} stages, but the split has {num_stages}; "
-                         "drop virtual_stages or give a split with that many stages")
+        raise ValueError(
+            f"virtual_stages={per_rank} on {num_ranks} ranks makes "
+            f"{per_rank * num_ranks} stages, but the split has {num_stages}; "
+            "drop virtual_stages or give a split with that many stages"
+        )
     num_stages = num_stages or per_rank * num_ranks
     if num_stages % num_ranks:
         return list(range(num_stages))

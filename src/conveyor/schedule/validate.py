@@ -35,15 +35,20 @@ def validate(program: Program, graph: StageGraph) -> None:
     if problems:
         listed = problems[:_MAX_LISTED]
         more = len(problems) - len(listed)
-        raise ProgramError("invalid program:\n  " + "\n  ".join(listed) +
-                           (f"\n  ... and {more} more" if more else ""))
+        raise ProgramError(
+            "invalid program:\n  "
+            + "\n  ".join(listed)
+            + (f"\n  ... and {more} more" if more else "")
+        )
 
 
 def _structure(program: Program, graph: StageGraph) -> list[str]:
     problems: list[str] = []
     if len(program) != graph.num_ranks:
-        return [f"program has {len(program)} ranks but the stage graph places stages on "
-                f"{graph.num_ranks}"]
+        return [
+            f"program has {len(program)} ranks but the stage graph places stages on "
+            f"{graph.num_ranks}"
+        ]
     counts: Counter[tuple[int, Kind, int]] = Counter()
     for rank, actions in enumerate(program):
         problems += _rank_order(rank, actions, graph, program.num_microbatches)
@@ -52,20 +57,24 @@ def _structure(program: Program, graph: StageGraph) -> list[str]:
     return problems
 
 
-def _rank_order(rank: int, actions: tuple[Action, ...], graph: StageGraph,
-                num_microbatches: int) -> list[str]:
+def _rank_order(
+    rank: int, actions: tuple[Action, ...], graph: StageGraph, num_microbatches: int
+) -> list[str]:
     """Per-rank rules: placement, ranges, and each action after what it depends on."""
     problems: list[str] = []
     done: set[Action] = set()
     for action in actions:
         where = f"rank {rank}: {action}"
         if not 0 <= action.stage < graph.num_stages or graph.rank_of(action.stage) != rank:
-            problems.append(f"{where}: stage {action.stage} is not on rank {rank} "
-                            f"(rank {rank} holds stages {graph.stages_on(rank)})")
+            problems.append(
+                f"{where}: stage {action.stage} is not on rank {rank} "
+                f"(rank {rank} holds stages {graph.stages_on(rank)})"
+            )
             continue
         if not 0 <= action.microbatch < num_microbatches:
-            problems.append(f"{where}: micro-batch {action.microbatch} is outside "
-                            f"0..{num_microbatches - 1}")
+            problems.append(
+                f"{where}: micro-batch {action.microbatch} is outside 0..{num_microbatches - 1}"
+            )
             continue
         if action in done:
             problems.append(f"{where}: appears twice")
@@ -102,8 +111,9 @@ def _done_as_split(needed: Action, done: set[Action]) -> bool:
     return needed.kind is Kind.B and Action(needed.stage, Kind.I, needed.microbatch) in done
 
 
-def _completeness(counts: Counter[tuple[int, Kind, int]], graph: StageGraph,
-                  num_microbatches: int) -> list[str]:
+def _completeness(
+    counts: Counter[tuple[int, Kind, int]], graph: StageGraph, num_microbatches: int
+) -> list[str]:
     """Every (stage, micro-batch) is run once forward and, when training, once backward."""
     problems: list[str] = []
     is_training = any(kind is not Kind.F for (_, kind, _) in counts)
@@ -114,7 +124,8 @@ def _completeness(counts: Counter[tuple[int, Kind, int]], graph: StageGraph,
             if f != 1:
                 problems.append(f"stage {stage} micro-batch {k}: {f} forwards, expected 1")
             if is_training and not ((b == 1 and i == w == 0) or (b == 0 and i == w == 1)):
-                problems.append(f"stage {stage} micro-batch {k}: {b} B, {i} I and {w} W actions; "
-                                "expected one B, or one I and one W")
+                problems.append(
+                    f"stage {stage} micro-batch {k}: {b} B, {i} I and {w} W actions; "
+                    "expected one B, or one I and one W"
+                )
     return problems
-

@@ -30,9 +30,11 @@ def zb_h1(graph: StageGraph, num_microbatches: int) -> Program:
     for rank in range(graph.num_ranks):
         stages = graph.stages_on(rank)
         if len(stages) != 1:
-            raise ValueError(f"schedule 'zb-h1' runs one stage per rank, but rank {rank} holds "
-                             f"stages {stages}; use 'zb-v' (two stages per rank in a V) or "
-                             "'interleaved-1f1b' for virtual stages")
+            raise ValueError(
+                f"schedule 'zb-h1' runs one stage per rank, but rank {rank} holds "
+                f"stages {stages}; use 'zb-v' (two stages per rank in a V) or "
+                "'interleaved-1f1b' for virtual stages"
+            )
         stage = stages[0]
         below = graph.distance_to_sink(stage)
         held_back = min(graph.depth - 1 - below, num_microbatches)
@@ -130,6 +132,7 @@ def v_chunks(graph: StageGraph, schedule: str) -> list[tuple[int, int]]:
         raise ValueError(
             f"schedule {schedule!r} needs {2 * num_ranks} stages placed in a V over "
             f"{num_ranks} ranks ({expected}: rank r holds stages r and {2 * num_ranks - 1}-r); "
-            f"got placement {placement}. Use placement_style='v' with 2 stages per rank")
+            f"got placement {placement}. Use placement_style='v' with 2 stages per rank"
+        )
     require_chain(graph, schedule)
     return [(rank, 2 * num_ranks - 1 - rank) for rank in range(num_ranks)]

@@ -23,7 +23,17 @@ from conveyor.split.skip import pop, skippable, stash, verify_skips
 from conveyor.split.stages import build_stage_graph
 
 __all__ = [
-    "StageAnnotation", "auto_split", "balance_to_split_points", "bind_inputs",
-    "build_stage_graph", "even_balance", "pop", "run_stages", "skippable", "split_by_modules",
-    "split_model", "stash", "verify_skips",
+    "StageAnnotation",
+    "auto_split",
+    "balance_to_split_points",
+    "bind_inputs",
+    "build_stage_graph",
+    "even_balance",
+    "pop",
+    "run_stages",
+    "skippable",
+    "split_by_modules",
+    "split_model",
+    "stash",
+    "verify_skips",
 ]

@@ -33,13 +33,20 @@ DEFAULT_BYTE_COST = 4.0
 point-to-point bandwidth (tens of GFLOP/s against a few GB/s on CPU and gloo)."""
 
 
-def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
-               costs: Mapping[str, float] | None = None, num_microbatches: int = 4,
-               placement: Sequence[int] | None = None,
-               concrete_args: dict[str, Any] | None = None,
-               leaf_modules: Sequence[str | type[nn.Module]] = (),
-               byte_cost: float | None = None, keep_shared: bool = False,
-               relay_skips: bool = False) -> StageGraph:
+def auto_split(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    example_inputs: Any = None,
+    costs: Mapping[str, float] | None = None,
+    num_microbatches: int = 4,
+    placement: Sequence[int] | None = None,
+    concrete_args: dict[str, Any] | None = None,
+    leaf_modules: Sequence[str | type[nn.Module]] = (),
+    byte_cost: float | None = None,
+    keep_shared: bool = False,
+    relay_skips: bool = False,
+) -> StageGraph:
     """Trace ``model`` and cut it into ``num_stages`` stages for the shortest pipeline step.
 
     Stages are contiguous runs of a topological order that keeps each branch together, so
@@ -72,14 +79,23 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
             return True
         return default.is_leaf_module(m, name)
 
-    graph = trace_graph(model, (), concrete_args, leaf=is_leaf, hint=(
-        "Keep the module that holds it whole with auto_split(..., leaf_modules=['<name>']) "
-        "(it is then never traced), or pass concrete_args for inputs that steer control "
-        f"flow. {HOW_TO_ANNOTATE}"))
+    graph = trace_graph(
+        model,
+        (),
+        concrete_args,
+        leaf=is_leaf,
+        hint=(
+            "Keep the module that holds it whole with auto_split(..., leaf_modules=['<name>']) "
+            "(it is then never traced), or pass concrete_args for inputs that steer control "
+            f"flow. {HOW_TO_ANNOTATE}"
+        ),
+    )
     nodes = [n for n in graph.nodes if n.op in COMPUTE_OPS]
     if len(nodes) < num_stages:
-        raise ValueError(f"{type(model).__name__} traces to {len(nodes)} operations, too few "
-                         f"for {num_stages} stages; ask for fewer stages")
+        raise ValueError(
+            f"{type(model).__name__} traces to {len(nodes)} operations, too few "
+            f"for {num_stages} stages; ask for fewer stages"
+        )
     weights, sizes = node_costs(model, graph, example_inputs, costs)
     index = {n: i for i, n in enumerate(nodes)}
     dataflow = DataflowGraph(
@@ -87,12 +103,18 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
         inputs=[[index[i] for i in n.all_input_nodes if i in index] for n in nodes],
         sizes=[sizes[n] for n in nodes],
         byte_cost=(DEFAULT_BYTE_COST if example_inputs is not None else 0.0)
-        if byte_cost is None else byte_cost,
+        if byte_cost is None
+        else byte_cost,
         units=_units(nodes, weights, num_stages),
-        together=_shared_users(model, index) if keep_shared else ())
+        together=_shared_users(model, index) if keep_shared else (),
+    )
     plan = best_cut(dataflow, num_stages, num_microbatches)
-    logger.info("auto split: stage costs %s, depth %d, est. 1F1B step %.3g (cost units)",
-                [f"{c:.3g}" for c in plan.stage_costs], plan.depth, plan.step_time)
+    logger.info(
+        "auto split: stage costs %s, depth %d, est. 1F1B step %.3g (cost units)",
+        [f"{c:.3g}" for c in plan.stage_costs],
+        plan.depth,
+        plan.step_time,
+    )
     assignment = {n: plan.stage_of[i] for n, i in index.items()}
     assignment[next(n for n in graph.nodes if n.op == "output")] = num_stages - 1
     sink_duplicates(graph, assignment)
@@ -102,14 +124,19 @@ def auto_split(model: nn.Module, num_stages: int, *, example_inputs: Any = None,
     place_attributes(graph, assignment, num_stages)
     placement = list(range(num_stages)) if placement is None else list(placement)
     if len(placement) != num_stages:
-        raise ValueError(f"placement {placement} has {len(placement)} entries for "
-                         f"{num_stages} stages; give one rank per stage")
+        raise ValueError(
+            f"placement {placement} has {len(placement)} entries for "
+            f"{num_stages} stages; give one rank per stage"
+        )
     return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
 
 
-def node_costs(model: nn.Module, graph: fx.Graph, example_inputs: Any = None,
-               costs: Mapping[str, float] | None = None
-               ) -> tuple[dict[fx.Node, float], dict[fx.Node, float]]:
+def node_costs(
+    model: nn.Module,
+    graph: fx.Graph,
+    example_inputs: Any = None,
+    costs: Mapping[str, float] | None = None,
+) -> tuple[dict[fx.Node, float], dict[fx.Node, float]]:
     """Forward cost and output bytes of each computing node of ``model``'s traced ``graph``.
 
     With ``example_inputs``: FLOPs (torch.utils.flop_counter) plus elements produced, and
@@ -128,8 +155,9 @@ def node_costs(model: nn.Module, graph: fx.Graph, example_inputs: Any = None,
     return weights, sizes
 
 
-def _measure(model: nn.Module, graph: fx.Graph,
-             example_inputs: Any) -> tuple[dict[fx.Node, float], dict[fx.Node, float]]:
+def _measure(
+    model: nn.Module, graph: fx.Graph, example_inputs: Any
+) -> tuple[dict[fx.Node, float], dict[fx.Node, float]]:
     """Run the traced graph once on ``example_inputs``, counting FLOPs and bytes per node."""
     module = fx.GraphModule(model, graph)
     bound = bind_inputs(model, example_inputs)
@@ -149,9 +177,11 @@ def _measure(model: nn.Module, graph: fx.Graph,
                 result = super().run_node(n)
             tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
             # views (x[:, None], transpose) move nothing; new tensors cost what they write
-            inputs = {_storage(t) for t in pytree.tree_leaves([self.env.get(a) for a in
-                                                               n.all_input_nodes])
-                      if isinstance(t, torch.Tensor)}
+            inputs = {
+                _storage(t)
+                for t in pytree.tree_leaves([self.env.get(a) for a in n.all_input_nodes])
+                if isinstance(t, torch.Tensor)
+            }
             written = sum(t.numel() for t in tensors if _storage(t) not in inputs)
             weights[n] = float(counter.get_total_flops() + written)
             sizes[n] = float(sum(t.numel() * t.element_size() for t in tensors))
@@ -178,8 +208,9 @@ def _parameters_used(model: nn.Module, node: fx.Node) -> int:
     return count
 
 
-def _given_costs(nodes: list[fx.Node], estimates: dict[fx.Node, float],
-                 costs: Mapping[str, float]) -> dict[fx.Node, float]:
+def _given_costs(
+    nodes: list[fx.Node], estimates: dict[fx.Node, float], costs: Mapping[str, float]
+) -> dict[fx.Node, float]:
     """Spread user costs over nodes; the most specific name covering a node wins."""
     covered: dict[fx.Node, str] = {}
     for node in nodes:
@@ -195,9 +226,11 @@ def _given_costs(nodes: list[fx.Node], estimates: dict[fx.Node, float],
             covered[node] = names[0] if node.name in costs else max(names, key=len)
     unknown = sorted(set(costs) - set(covered.values()))
     if unknown:
-        raise ValueError(f"costs name {unknown}, which match no traced operation or module; "
-                         f"use node names or module qualified names such as "
-                         f"{sorted({str(n.target) for n in nodes if n.op == 'call_module'})[:5]}")
+        raise ValueError(
+            f"costs name {unknown}, which match no traced operation or module; "
+            f"use node names or module qualified names such as "
+            f"{sorted({str(n.target) for n in nodes if n.op == 'call_module'})[:5]}"
+        )
     weights = {n: 0.0 for n in nodes}
     for name in set(covered.values()):
         members = [n for n in nodes if covered.get(n) == name]
@@ -208,8 +241,7 @@ def _given_costs(nodes: list[fx.Node], estimates: dict[fx.Node, float],
     return weights
 
 
-def _units(nodes: list[fx.Node], weights: dict[fx.Node, float],
-           num_stages: int) -> list[Hashable]:
+def _units(nodes: list[fx.Node], weights: dict[fx.Node, float], num_stages: int) -> list[Hashable]:
     """Unit of each node: the outermost module call around it that costs no more than a
     stage should (total / stages); cuts fall between units only."""
     module_cost: dict[str, float] = {}

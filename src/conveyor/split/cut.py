@@ -1,8 +1,8 @@
 """Cut a weighted dataflow DAG into pipeline stages: pure search behind ``split.auto_split``.
 
-    nodes = DataflowGraph(costs=[4, 4, 4, 4, 1], inputs=[[], [0], [], [2], [1, 3]])
-    plan = best_cut(nodes, num_stages=3, num_microbatches=4)
-    plan.stage_of  # [0, 0, 1, 1, 2]: the two branches on stages 0 and 1, the join on 2
+nodes = DataflowGraph(costs=[4, 4, 4, 4, 1], inputs=[[], [0], [], [2], [1, 3]])
+plan = best_cut(nodes, num_stages=3, num_microbatches=4)
+plan.stage_of  # [0, 0, 1, 1, 2]: the two branches on stages 0 and 1, the join on 2
 """
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ class DataflowGraph:
 
     def __post_init__(self) -> None:
         if len(self.inputs) != len(self.costs):
-            raise ValueError(f"{len(self.costs)} costs for {len(self.inputs)} nodes; give one "
-                             "cost per node")
+            raise ValueError(
+                f"{len(self.costs)} costs for {len(self.inputs)} nodes; give one cost per node"
+            )
         for node, producers in enumerate(self.inputs):
             if any(not 0 <= p < node for p in producers):
-                raise ValueError(f"node {node} takes inputs {list(producers)}; nodes must be "
-                                 "in topological order (inputs before the node)")
+                raise ValueError(
+                    f"node {node} takes inputs {list(producers)}; nodes must be "
+                    "in topological order (inputs before the node)"
+                )
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,9 @@ def best_cut(graph: DataflowGraph, num_stages: int, num_microbatches: int = 4) -
     return _fastest(candidates)
 
 
-def cut_in_order(graph: DataflowGraph, order: Sequence[int], num_stages: int,
-                 num_microbatches: int = 4) -> Cut:
+def cut_in_order(
+    graph: DataflowGraph, order: Sequence[int], num_stages: int, num_microbatches: int = 4
+) -> Cut:
     """Best cut of ``order`` into ``num_stages`` contiguous runs.
 
     A dynamic program over cut positions keeps, for each position, number of stages and
@@ -159,7 +163,8 @@ def cut_in_order(graph: DataflowGraph, order: Sequence[int], num_stages: int,
         raise ValueError(
             f"cannot cut {len(order)} nodes into {num_stages} stages: there are only "
             f"{len(bounds) - 2} places to cut (whole modules stay in one stage, and so do the "
-            "users of a shared weight); ask for fewer stages")
+            "users of a shared weight); ask for fewer stages"
+        )
     finals = _search(costs, inputs, sizes, bounds, num_stages, graph.byte_cost)
     cuts = [_finish(order, inputs, p, num_microbatches) for p in finals]
     return _fastest(cuts)
@@ -172,8 +177,9 @@ def _fastest(cuts: Sequence[Cut]) -> Cut:
     return min(close, key=lambda c: (c.sent, c.step_time))
 
 
-def _cut_positions(graph: DataflowGraph, order: Sequence[int],
-                   position: dict[int, int]) -> list[int]:
+def _cut_positions(
+    graph: DataflowGraph, order: Sequence[int], position: dict[int, int]
+) -> list[int]:
     """Positions where a stage may start: 0, unit boundaries outside ``together``, the end."""
     blocked: set[int] = set()
     for group in graph.together:
@@ -188,28 +194,41 @@ def _cut_positions(graph: DataflowGraph, order: Sequence[int],
     return bounds
 
 
-def _search(costs: list[float], inputs: list[list[int]], sizes: list[float],
-            bounds: list[int], num_stages: int, byte_cost: float) -> list[_Partial]:
+def _search(
+    costs: list[float],
+    inputs: list[list[int]],
+    sizes: list[float],
+    bounds: list[int],
+    num_stages: int,
+    byte_cost: float,
+) -> list[_Partial]:
     """The DP of ``cut_in_order``; returns the complete partials, one per final depth."""
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
     last = len(bounds) - 1
     # states[b][j][depth]: best partial with j stages ending at bounds[b]
-    states: list[list[dict[int, _Partial]]] = [[{} for _ in range(num_stages + 1)]
-                                               for _ in bounds]
+    states: list[list[dict[int, _Partial]]] = [[{} for _ in range(num_stages + 1)] for _ in bounds]
     states[0][0][0] = _Partial(0.0, 0.0, (), (), ())
     for b in range(last):
         for j in range(num_stages):
             for partial in states[b][j].values():
-                _extend(partial, b, j, bounds, prefix, inputs, sizes, byte_cost, num_stages,
-                        states)
+                _extend(partial, b, j, bounds, prefix, inputs, sizes, byte_cost, num_stages, states)
     return list(states[last][num_stages].values())
 
 
-def _extend(partial: _Partial, b: int, j: int, bounds: list[int], prefix: list[float],
-            inputs: list[list[int]], sizes: list[float], byte_cost: float, num_stages: int,
-            states: list[list[dict[int, _Partial]]]) -> None:
+def _extend(
+    partial: _Partial,
+    b: int,
+    j: int,
+    bounds: list[int],
+    prefix: list[float],
+    inputs: list[list[int]],
+    sizes: list[float],
+    byte_cost: float,
+    num_stages: int,
+    states: list[list[dict[int, _Partial]]],
+) -> None:
     """Try every end for stage ``j`` starting at ``bounds[b]``."""
     start, last = bounds[b], len(bounds) - 1
     starts = (*partial.starts, start)
@@ -226,8 +245,13 @@ def _extend(partial: _Partial, b: int, j: int, bounds: list[int], prefix: list[f
             continue
         depth = depth_in + 1
         cost = prefix[bounds[b2]] - prefix[start] + byte_cost * (sent - partial.sent)
-        candidate = _Partial(max(partial.cost, cost), sent, starts, (*partial.depths, depth),
-                             (*partial.stage_costs, cost))
+        candidate = _Partial(
+            max(partial.cost, cost),
+            sent,
+            starts,
+            (*partial.depths, depth),
+            (*partial.stage_costs, cost),
+        )
         key = max(candidate.depths)
         known = states[b2][j + 1].get(key)
         if known is None or _better(candidate.cost, candidate.sent, known.cost, known.sent):
@@ -242,8 +266,9 @@ def _better(cost: float, sent: float, other_cost: float, other_sent: float) -> b
     return cost <= other_cost * (1 + _TOLERANCE) and sent < other_sent
 
 
-def _finish(order: Sequence[int], inputs: list[list[int]], partial: _Partial,
-            num_microbatches: int) -> Cut:
+def _finish(
+    order: Sequence[int], inputs: list[list[int]], partial: _Partial, num_microbatches: int
+) -> Cut:
     """A Cut with its simulated step time."""
     num_stages = len(partial.starts)
     stage_costs = partial.stage_costs
@@ -251,13 +276,24 @@ def _finish(order: Sequence[int], inputs: list[list[int]], partial: _Partial,
     stage_of = [0] * len(order)
     for i, node in enumerate(order):
         stage_of[node] = stage_at[i]
-    edges = {(stage_at[p], stage_at[i]) for i in range(len(order)) for p in inputs[i]
-             if stage_at[p] != stage_at[i]}
+    edges = {
+        (stage_at[p], stage_at[i])
+        for i in range(len(order))
+        for p in inputs[i]
+        if stage_at[p] != stage_at[i]
+    }
     topology = _topology(num_stages, edges)
     program = one_f_one_b(topology, num_microbatches)
     timeline = simulate(program, topology, _StageCost(stage_costs))
-    return Cut(tuple(order), partial.starts, tuple(stage_of), stage_costs, max(partial.depths),
-               partial.sent, timeline.step_time)
+    return Cut(
+        tuple(order),
+        partial.starts,
+        tuple(stage_of),
+        stage_costs,
+        max(partial.depths),
+        partial.sent,
+        timeline.step_time,
+    )
 
 
 def _topology(num_stages: int, edges: set[tuple[int, int]]) -> StageGraph:

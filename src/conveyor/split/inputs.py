@@ -1,7 +1,7 @@
 """A batch bound to a model's forward parameters, and a split run in one process.
 
-    bound = bind_inputs(model, (tokens, patches))   # {"tokens": ..., "patches": ...}
-    run_stages(graph, bound)                        # == model(tokens, patches)
+bound = bind_inputs(model, (tokens, patches))   # {"tokens": ..., "patches": ...}
+run_stages(graph, bound)                        # == model(tokens, patches)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from conveyor.graph import MODEL_OUTPUT, StageGraph
 
 __all__ = ["bind_inputs", "run_stages"]
 
+
 def run_stages(graph: StageGraph, inputs: Mapping[str, Any]) -> Any:
     """The model output, computed by running every stage in order in this process.
 
@@ -24,13 +25,13 @@ def run_stages(graph: StageGraph, inputs: Mapping[str, Any]) -> Any:
     """
     missing = [name for name in graph.model_inputs if name not in inputs]
     if missing:
-        raise ValueError(f"inputs lack {missing}; the stage graph takes "
-                         f"{list(graph.model_inputs)}")
+        raise ValueError(f"inputs lack {missing}; the stage graph takes {list(graph.model_inputs)}")
     values = dict(inputs)
     for stage in graph.stages:
         if stage.module is None:
-            raise ValueError(f"stage {stage.index} has no module; run_stages needs a split "
-                             "model, not a topology")
+            raise ValueError(
+                f"stage {stage.index} has no module; run_stages needs a split model, not a topology"
+            )
         out = stage.module(*[values[name] for name in stage.inputs])
         if not isinstance(out, tuple):
             out = (out,)
@@ -55,9 +56,11 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
         missing = [n for n in names if n not in given]
         extra = sorted(set(given) - set(names))
         if missing or extra or (isinstance(inputs, tuple | list) and len(inputs) > len(names)):
-            raise ValueError(f"the stage graph takes model inputs {list(names)}; got "
-                             f"{list(given) if not extra else sorted(given)}; pass every one "
-                             "(a dict by name, or a tuple in that order)")
+            raise ValueError(
+                f"the stage graph takes model inputs {list(names)}; got "
+                f"{list(given) if not extra else sorted(given)}; pass every one "
+                "(a dict by name, or a tuple in that order)"
+            )
         return given
     signature = inspect.signature(model.forward)
     if isinstance(inputs, dict):

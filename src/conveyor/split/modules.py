@@ -23,10 +23,13 @@ per stage listing its submodules (``[["text"], ["image"], ["head", "norm"]]``; a
 entry may list several names separated by commas)."""
 
 
-def split_by_modules(model: nn.Module, stages: StageAnnotation,
-                     placement: Sequence[int] | None = None,
-                     concrete_args: dict[str, Any] | None = None,
-                     relay_skips: bool = False) -> StageGraph:
+def split_by_modules(
+    model: nn.Module,
+    stages: StageAnnotation,
+    placement: Sequence[int] | None = None,
+    concrete_args: dict[str, Any] | None = None,
+    relay_skips: bool = False,
+) -> StageGraph:
     """Cut ``model`` into stages made of the named submodules (see ``StageAnnotation``).
 
     Stages are numbered in the order data flows; two stages that do not feed each other run
@@ -42,14 +45,20 @@ def split_by_modules(model: nn.Module, stages: StageAnnotation,
     """
     table = _stage_table(model, stages)
     num_stages = 1 + max(table.values())
-    graph = trace_graph(model, list(table), concrete_args,
-                  hint=f"Annotate modules that contain the untraceable code whole: only the "
-                       f"modules above the annotated ones {sorted(table)[:4]} are traced")
+    graph = trace_graph(
+        model,
+        list(table),
+        concrete_args,
+        hint=f"Annotate modules that contain the untraceable code whole: only the "
+        f"modules above the annotated ones {sorted(table)[:4]} are traced",
+    )
     assignment = _annotated_assignment(graph, table, num_stages)
     placement = list(range(num_stages)) if placement is None else list(placement)
     if len(placement) != num_stages:
-        raise ValueError(f"placement {placement} has {len(placement)} entries for "
-                         f"{num_stages} stages; give one rank per stage")
+        raise ValueError(
+            f"placement {placement} has {len(placement)} entries for "
+            f"{num_stages} stages; give one rank per stage"
+        )
     return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
 
 
@@ -63,25 +72,32 @@ def _stage_table(model: nn.Module, stages: StageAnnotation) -> dict[str, int]:
             names = entry.split(",") if isinstance(entry, str) else list(entry)
             for name in (n.strip() for n in names):
                 if name in table:
-                    raise ValueError(f"module {name!r} is annotated for stages {table[name]} "
-                                     f"and {index}; name each module once")
+                    raise ValueError(
+                        f"module {name!r} is annotated for stages {table[name]} "
+                        f"and {index}; name each module once"
+                    )
                 table[name] = index
     known = {name for name, _ in model.named_modules() if name}
     children = [name for name, _ in model.named_children()]
     for name in table:
         if name not in known:
-            raise ValueError(f"annotated module {name!r} is not a submodule of "
-                             f"{type(model).__name__}; expected qualified names such as "
-                             f"{children[:6]}")
+            raise ValueError(
+                f"annotated module {name!r} is not a submodule of "
+                f"{type(model).__name__}; expected qualified names such as "
+                f"{children[:6]}"
+            )
     used = sorted(set(table.values()))
     if not table or used != list(range(len(used))):
-        raise ValueError(f"annotations use stages {used}; expected every stage 0..{len(used) - 1}"
-                         " to have at least one module")
+        raise ValueError(
+            f"annotations use stages {used}; expected every stage 0..{len(used) - 1}"
+            " to have at least one module"
+        )
     return table
 
 
-def _annotated_assignment(graph: fx.Graph, table: dict[str, int],
-                          num_stages: int) -> dict[fx.Node, int]:
+def _annotated_assignment(
+    graph: fx.Graph, table: dict[str, int], num_stages: int
+) -> dict[fx.Node, int]:
     """Stage of every node from the annotations; see ``split_by_modules`` for unnamed code."""
     stage: dict[fx.Node, int] = {}
     origins: dict[fx.Node, set[int]] = {}
@@ -137,12 +153,14 @@ def _check_dataflow(graph: fx.Graph, stage: dict[fx.Node, int], num_stages: int)
             raise ValueError(
                 f"stage annotations go against the dataflow: {_describe(node)} in stage "
                 f"{stage[node]} uses {_describe(producer)} from stage {stage[producer]}; number "
-                "stages in the order data flows through them, or annotate both in one stage")
-    empty = sorted(set(range(num_stages)) - {stage[n] for n in graph.nodes
-                                              if n.op in COMPUTE_OPS})
+                "stages in the order data flows through them, or annotate both in one stage"
+            )
+    empty = sorted(set(range(num_stages)) - {stage[n] for n in graph.nodes if n.op in COMPUTE_OPS})
     if empty:
-        raise ValueError(f"stages {empty} run no computation: their modules are never called "
-                         "by forward; annotate modules that forward calls")
+        raise ValueError(
+            f"stages {empty} run no computation: their modules are never called "
+            "by forward; annotate modules that forward calls"
+        )
 
 
 def _feeding(node: fx.Node, only_modules: bool) -> list[fx.Node]:

@@ -1,7 +1,7 @@
 """Split points: cut a model into a chain before named submodules, in forward order.
 
-    graph = split_model(model, ["layers.4"])      # stage 1 starts at layers.4
-    split_model(seq, balance_to_split_points(seq, [3, 5]))   # an nn.Sequential by layer counts
+graph = split_model(model, ["layers.4"])      # stage 1 starts at layers.4
+split_model(seq, balance_to_split_points(seq, [3, 5]))   # an nn.Sequential by layer counts
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ from conveyor.split.tracing import trace_graph
 
 __all__ = ["balance_to_split_points", "even_balance", "split_model"]
 
+
 def even_balance(num_layers: int, num_stages: int) -> list[int]:
     """Layer counts per stage that differ by at most one, larger stages first."""
     if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages; "
-                         f"use between 1 and {num_layers} stages")
+        raise ValueError(
+            f"cannot split {num_layers} layers into {num_stages} stages; "
+            f"use between 1 and {num_layers} stages"
+        )
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
 
@@ -34,15 +37,19 @@ def balance_to_split_points(model: nn.Sequential, balance: Sequence[int]) -> lis
         raise ValueError(
             f"balance {list(balance)} covers {sum(balance)} layers but the model has "
             f"{len(names)}; pass {len(balance)} positive counts that sum to {len(names)}, or "
-            "omit balance to split evenly")
+            "omit balance to split evenly"
+        )
     starts = [sum(balance[:i]) for i in range(1, len(balance))]
     return [names[i] for i in starts]
 
 
-def split_model(model: nn.Module, split_points: Sequence[str],
-                placement: Sequence[int] | None = None,
-                concrete_args: dict[str, Any] | None = None,
-                relay_skips: bool = False) -> StageGraph:
+def split_model(
+    model: nn.Module,
+    split_points: Sequence[str],
+    placement: Sequence[int] | None = None,
+    concrete_args: dict[str, Any] | None = None,
+    relay_skips: bool = False,
+) -> StageGraph:
     """Cut ``model`` before each split point (a submodule's qualified name), in forward order.
 
     Each stage is an ``fx.GraphModule`` holding the original submodules under their original
@@ -58,8 +65,10 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     num_stages = len(split_points) + 1
     placement = list(range(num_stages)) if placement is None else list(placement)
     if len(placement) != num_stages:
-        raise ValueError(f"placement {placement} has {len(placement)} entries for "
-                         f"{num_stages} stages; give one rank per stage")
+        raise ValueError(
+            f"placement {placement} has {len(placement)} entries for "
+            f"{num_stages} stages; give one rank per stage"
+        )
     return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
 
 
@@ -68,9 +77,11 @@ def _check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
     for point in split_points:
         if point not in names:
             children = [name for name, _ in model.named_children()]
-            raise ValueError(f"split point {point!r} is not a submodule of "
-                             f"{type(model).__name__}; expected qualified names such as "
-                             f"{children[:6]}")
+            raise ValueError(
+                f"split point {point!r} is not a submodule of "
+                f"{type(model).__name__}; expected qualified names such as "
+                f"{children[:6]}"
+            )
     if len(set(split_points)) != len(split_points):
         raise ValueError(f"split points {list(split_points)} repeat a name; give each once")
 
@@ -86,13 +97,16 @@ def _assign_stages(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node
                     if later != stage + 1:
                         raise ValueError(
                             f"split point {point!r} runs before {split_points[stage]!r} in "
-                            "forward; list split points in the order forward calls them")
+                            "forward; list split points in the order forward calls them"
+                        )
                     stage = later
                     break
         assignment[node] = stage
     if stage != len(split_points):
-        raise ValueError(f"split point {split_points[stage]!r} is never called by forward "
-                         "(or only inside a traced-through call); choose modules that forward "
-                         "calls directly")
+        raise ValueError(
+            f"split point {split_points[stage]!r} is never called by forward "
+            "(or only inside a traced-through call); choose modules that forward "
+            "calls directly"
+        )
     place_attributes(graph, assignment, len(split_points) + 1)
     return assignment

@@ -31,8 +31,17 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-__all__ = ["SKIPS_KWARG", "SkipNames", "has_skips", "pop", "rename", "skip_names", "skippable",
-           "stash", "verify_skips"]
+__all__ = [
+    "SKIPS_KWARG",
+    "SkipNames",
+    "has_skips",
+    "pop",
+    "rename",
+    "skip_names",
+    "skippable",
+    "stash",
+    "verify_skips",
+]
 
 
 SKIPS_KWARG = "conveyor_skips"
@@ -74,8 +83,9 @@ class _Scope:
     taken: set[str] = field(default_factory=set)
 
 
-_current: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("conveyor_skip_scope",
-                                                                         default=None)
+_current: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+    "conveyor_skip_scope", default=None
+)
 _plain = threading.local()
 
 
@@ -92,8 +102,7 @@ def skippable(stash: Sequence[str] = (), pop: Sequence[str] = ()) -> Callable[[t
     stashes, pops = tuple(stash), tuple(pop)
     for names, what in ((stashes, "stash"), (pops, "pop")):
         if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"skippable({what}={list(names)}): expected distinct non-empty "
-                             "names")
+            raise ValueError(f"skippable({what}={list(names)}): expected distinct non-empty names")
 
     def decorate(cls: type[_M]) -> type[_M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -115,9 +124,11 @@ def skippable(stash: Sequence[str] = (), pop: Sequence[str] = ()) -> Callable[[t
             assert names is not None
             missing = [n for n in names.stashes if n not in scope.stashed]
             if missing:
-                raise RuntimeError(f"{_describe(self)} declares stash {missing} but its forward "
-                                   "did not stash them; stash every declared name on every "
-                                   "call (stash None when there is nothing to pass)")
+                raise RuntimeError(
+                    f"{_describe(self)} declares stash {missing} but its forward "
+                    "did not stash them; stash every declared name on every "
+                    "call (stash None when there is nothing to pass)"
+                )
             return output, scope.stashed
 
         cls.forward = forward
@@ -135,13 +146,15 @@ def rename(layer: _M, **names: str) -> _M:
     """
     declared = _declared(layer)
     if declared is None:
-        raise TypeError(f"{type(layer).__name__} is not @skippable; only skippable layers "
-                        "have skip names")
+        raise TypeError(
+            f"{type(layer).__name__} is not @skippable; only skippable layers have skip names"
+        )
     known = set(declared.stashes) | set(declared.pops)
     unknown = sorted(set(names) - known)
     if unknown:
-        raise ValueError(f"{type(layer).__name__} has no skip names {unknown}; it declares "
-                         f"{sorted(known)}")
+        raise ValueError(
+            f"{type(layer).__name__} has no skip names {unknown}; it declares {sorted(known)}"
+        )
     mapping = dict(getattr(layer, "_conveyor_skip_names", {}))
     mapping.update(names)
     layer._conveyor_skip_names = mapping  # type: ignore[assignment]  # plain attribute
@@ -154,8 +167,9 @@ def skip_names(layer: nn.Module) -> SkipNames | None:
     if declared is None:
         return None
     outside = _outside_names(layer)
-    return SkipNames(tuple(outside[n] for n in declared.stashes),
-                     tuple(outside[n] for n in declared.pops))
+    return SkipNames(
+        tuple(outside[n] for n in declared.stashes), tuple(outside[n] for n in declared.pops)
+    )
 
 
 def stash(name: str, value: Any) -> None:
@@ -166,8 +180,10 @@ def stash(name: str, value: Any) -> None:
     scope = _scope_for(name, "stash")
     outside = scope.local[name]
     if outside in scope.stashed:
-        raise RuntimeError(f"{_describe(scope.layer)} stashes {name!r} twice in one forward; "
-                           "stash each name once per call")
+        raise RuntimeError(
+            f"{_describe(scope.layer)} stashes {name!r} twice in one forward; "
+            "stash each name once per call"
+        )
     scope.stashed[outside] = value
     if scope.popped is None:
         _plain_store()[outside] = value
@@ -181,19 +197,25 @@ def pop(name: str) -> Any:
     scope = _scope_for(name, "pop")
     outside = scope.local[name]
     if outside in scope.taken:
-        raise RuntimeError(f"{_describe(scope.layer)} pops {name!r} twice in one forward; pop "
-                           "each name once per call and keep the value")
+        raise RuntimeError(
+            f"{_describe(scope.layer)} pops {name!r} twice in one forward; pop "
+            "each name once per call and keep the value"
+        )
     scope.taken.add(outside)
     if scope.popped is not None:
         if outside not in scope.popped:
-            raise RuntimeError(f"{_describe(scope.layer)} pops {outside!r}, which was not "
-                               f"handed in (got {sorted(scope.popped)})")
+            raise RuntimeError(
+                f"{_describe(scope.layer)} pops {outside!r}, which was not "
+                f"handed in (got {sorted(scope.popped)})"
+            )
         return scope.popped[outside]
     store = _plain_store()
     if outside not in store:
-        raise RuntimeError(f"{_describe(scope.layer)} pops {outside!r}, but no earlier layer "
-                           "stashed it in this forward; check the layer order with "
-                           "conveyor.skip.verify_skips(model)")
+        raise RuntimeError(
+            f"{_describe(scope.layer)} pops {outside!r}, but no earlier layer "
+            "stashed it in this forward; check the layer order with "
+            "conveyor.skip.verify_skips(model)"
+        )
     return store.pop(outside)
 
 
@@ -217,10 +239,13 @@ def verify_skips(model: nn.Sequential) -> None:
                 problems.append(
                     f"layers {pending[name]} and {label} both stash {name!r} before it is "
                     "popped; give one of them a name of its own with "
-                    "conveyor.skip.rename(layer, <declared name>='<new name>')")
+                    "conveyor.skip.rename(layer, <declared name>='<new name>')"
+                )
             pending[name] = label
-    problems += [f"layer {label} stashes {name!r}, which no later layer pops"
-                 for name, label in pending.items()]
+    problems += [
+        f"layer {label} stashes {name!r}, which no later layer pops"
+        for name, label in pending.items()
+    ]
     if problems:
         raise ValueError("skip connections do not match:\n  " + "\n  ".join(problems))
 
@@ -253,15 +278,19 @@ def _outside_names(layer: nn.Module) -> dict[str, str]:
 def _scope_for(name: str, what: str) -> _Scope:
     scope = _current.get()
     if scope is None:
-        raise RuntimeError(f"{what}({name!r}) called outside the forward of a @skippable layer; "
-                           f"decorate the layer class with @conveyor.skip.skippable({what}="
-                           f"[{name!r}])")
+        raise RuntimeError(
+            f"{what}({name!r}) called outside the forward of a @skippable layer; "
+            f"decorate the layer class with @conveyor.skip.skippable({what}="
+            f"[{name!r}])"
+        )
     declared = _declared(scope.layer)
     assert declared is not None
     allowed = declared.stashes if what == "stash" else declared.pops
     if name not in allowed:
-        raise RuntimeError(f"{_describe(scope.layer)} calls {what}({name!r}) but declares "
-                           f"{what}={list(allowed)}; add {name!r} to @skippable({what}=[...])")
+        raise RuntimeError(
+            f"{_describe(scope.layer)} calls {what}({name!r}) but declares "
+            f"{what}={list(allowed)}; add {name!r} to @skippable({what}=[...])"
+        )
     return scope
 
 

@@ -15,6 +15,7 @@ from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
 
 __all__ = ["build_stage_graph"]
 
+
 def place_attributes(graph: fx.Graph, assignment: dict[fx.Node, int], num_stages: int) -> None:
     """Parameters and buffers live with the stages that use them; the output ends the model."""
     for node in graph.nodes:
@@ -40,16 +41,23 @@ def sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int]) -> None:
             if target <= stage[node]:
                 continue
             received = all(
-                p.op in ("placeholder", "get_attr") or stage[p] == target
+                p.op in ("placeholder", "get_attr")
+                or stage[p] == target
                 or any(u is not node and stage.get(u) == target for u in p.users)
-                for p in node.all_input_nodes)
+                for p in node.all_input_nodes
+            )
             if received:
                 stage[node] = target
                 changed = True
 
 
-def build_stage_graph(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Node, int],
-                      placement: Sequence[int], relay_skips: bool = False) -> StageGraph:
+def build_stage_graph(
+    model: nn.Module,
+    graph: fx.Graph,
+    assignment: dict[fx.Node, int],
+    placement: Sequence[int],
+    relay_skips: bool = False,
+) -> StageGraph:
     """Turn a node-to-stage assignment of a traced model into a StageGraph.
 
     A value computed in stage i and used in a later stage j becomes an output of i and an
@@ -68,8 +76,10 @@ def build_stage_graph(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Nod
             continue
         users = sorted({assignment[u] for u in node.users} - {assignment[node]})
         if users and users[0] < assignment[node]:
-            raise ValueError(f"node {node.name} of stage {assignment[node]} is used by an "
-                             f"earlier stage {users[0]}; split points must follow forward order")
+            raise ValueError(
+                f"node {node.name} of stage {assignment[node]} is used by an "
+                f"earlier stage {users[0]}; split points must follow forward order"
+            )
         if not users:
             continue
         origin[node] = assignment[node]
@@ -87,11 +97,15 @@ def build_stage_graph(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Nod
 
     stages = []
     for index in range(num_stages):
-        module, input_nodes = _stage_module(model, graph, assignment, index, consumed[index],
-                                            crossing[index])
-        inputs = tuple(_value_name(n) if n.op == "placeholder" else
-                       name_at(n, max(origin[n], index - 1) if relay_skips else origin[n])
-                       for n in input_nodes)
+        module, input_nodes = _stage_module(
+            model, graph, assignment, index, consumed[index], crossing[index]
+        )
+        inputs = tuple(
+            _value_name(n)
+            if n.op == "placeholder"
+            else name_at(n, max(origin[n], index - 1) if relay_skips else origin[n])
+            for n in input_nodes
+        )
         outputs = tuple(name_at(n, index) for n in crossing[index])
         if index == num_stages - 1:
             outputs += (MODEL_OUTPUT,)
@@ -99,9 +113,14 @@ def build_stage_graph(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Nod
     return StageGraph(tuple(stages), model_inputs)
 
 
-def _stage_module(model: nn.Module, graph: fx.Graph, assignment: dict[fx.Node, int],
-                  index: int, consumed: list[fx.Node],
-                  crossing: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+def _stage_module(
+    model: nn.Module,
+    graph: fx.Graph,
+    assignment: dict[fx.Node, int],
+    index: int,
+    consumed: list[fx.Node],
+    crossing: list[fx.Node],
+) -> tuple[fx.GraphModule, list[fx.Node]]:
     """The GraphModule of one stage and the nodes its inputs come from, in call order."""
     stage_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

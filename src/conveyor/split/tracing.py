@@ -24,7 +24,8 @@ COMPUTE_OPS = ("call_module", "call_function", "call_method")
 HOW_TO_ANNOTATE = (
     "To split by hand instead, name the submodules of each stage (split_by_modules, or "
     "Pipeline(stage_modules=('text', 'image', 'head,norm'))): only modules that contain an "
-    "annotated one are traced, so untraceable code inside a stage's modules is fine")
+    "annotated one are traced, so untraceable code inside a stage's modules is fine"
+)
 
 
 class SkipError(ValueError):
@@ -39,11 +40,13 @@ class _Tracer(fx.Tracer):
     popped values and return their stashed ones, so each skip becomes a graph edge.
     """
 
-    def __init__(self, split_points: Sequence[str], leaf: Callable[[nn.Module, str], bool]
-                 | None = None) -> None:
+    def __init__(
+        self, split_points: Sequence[str], leaf: Callable[[nn.Module, str], bool] | None = None
+    ) -> None:
         super().__init__()
-        self.containers = {p.rsplit(".", i)[0] for p in split_points
-                           for i in range(1, p.count(".") + 1)}
+        self.containers = {
+            p.rsplit(".", i)[0] for p in split_points for i in range(1, p.count(".") + 1)
+        }
         self.leaf = leaf
         self.skips: dict[str, Any] = {}
         self.skip_owner: dict[str, str] = {}
@@ -53,8 +56,13 @@ class _Tracer(fx.Tracer):
             return self.leaf(m, module_qualified_name)
         return module_qualified_name not in self.containers
 
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         names = skip_names(m)
         if names is None:
             return super().call_module(m, forward, args, kwargs)
@@ -62,25 +70,33 @@ class _Tracer(fx.Tracer):
         popped = {}
         for name in names.pops:
             if name not in self.skips:
-                raise SkipError(f"layer {label} pops {name!r}, which no layer before it "
-                                 "stashes (or an earlier layer already popped it)")
+                raise SkipError(
+                    f"layer {label} pops {name!r}, which no layer before it "
+                    "stashes (or an earlier layer already popped it)"
+                )
             popped[name] = self.skips.pop(name)
             del self.skip_owner[name]
         result = super().call_module(m, forward, args, {**kwargs, SKIPS_KWARG: popped})
         stashed = result[1] if names.stashes else None
         for name in names.stashes:
             if name in self.skips:
-                raise SkipError(f"layers {self.skip_owner[name]} and {label} both stash "
-                                 f"{name!r} before it is popped; rename one with "
-                                 "conveyor.skip.rename")
+                raise SkipError(
+                    f"layers {self.skip_owner[name]} and {label} both stash "
+                    f"{name!r} before it is popped; rename one with "
+                    "conveyor.skip.rename"
+                )
             self.skips[name] = stashed[name]  # type: ignore[index]  # a dict or a Proxy
             self.skip_owner[name] = label
         return result[0]
 
 
-def trace_graph(model: nn.Module, split_points: Sequence[str] = (),
-          concrete_args: dict[str, Any] | None = None,
-          leaf: Callable[[nn.Module, str], bool] | None = None, hint: str = "") -> fx.Graph:
+def trace_graph(
+    model: nn.Module,
+    split_points: Sequence[str] = (),
+    concrete_args: dict[str, Any] | None = None,
+    leaf: Callable[[nn.Module, str], bool] | None = None,
+    hint: str = "",
+) -> fx.Graph:
     """Trace ``model`` with torch.fx; on failure, say where tracing stopped and what to do.
 
     Raises:
@@ -95,29 +111,41 @@ def trace_graph(model: nn.Module, split_points: Sequence[str] = (),
         raise
     except Exception as error:
         stack = list(tracer.module_stack.values())
-        inside = (f" inside module {stack[-1][0]!r} ({stack[-1][1].__name__})"
-                  if stack and stack[-1][0] else "")
+        inside = (
+            f" inside module {stack[-1][0]!r} ({stack[-1][1].__name__})"
+            if stack and stack[-1][0]
+            else ""
+        )
         advice = hint or (
             "Only the modules that contain a split point are traced, so move the untraceable "
             "code into a submodule that lies wholly inside one stage, choose split points "
             "around it, pass concrete_args for inputs that steer control flow, or use an "
-            "nn.Sequential with balance")
+            "nn.Sequential with balance"
+        )
         if inside:  # name the module in the advice, e.g. leaf_modules=['encoder.3']
             advice = advice.replace("<name>", stack[-1][0])
         raise TypeError(
             f"cannot trace {type(model).__name__} with torch.fx to split it: tracing stopped "
-            f"at {type(error).__name__}: {error}{inside}{_where(error)}. {advice}") from error
+            f"at {type(error).__name__}: {error}{inside}{_where(error)}. {advice}"
+        ) from error
     taken = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:  # fx renames specialized arguments ('scale' -> 'scale_1')
         base = str(node.target).rpartition("_")[0]
-        if node.op == "placeholder" and concrete_args and base in concrete_args \
-                and base not in taken:
+        if (
+            node.op == "placeholder"
+            and concrete_args
+            and base in concrete_args
+            and base not in taken
+        ):
             node.target = base
     if tracer.skips:
-        owners = ", ".join(f"{name!r} (stashed by {tracer.skip_owner[name]})"
-                           for name in tracer.skips)
-        raise SkipError(f"skips {owners} are never popped; pop each stashed name in a later "
-                         "layer, or stop stashing it")
+        owners = ", ".join(
+            f"{name!r} (stashed by {tracer.skip_owner[name]})" for name in tracer.skips
+        )
+        raise SkipError(
+            f"skips {owners} are never popped; pop each stashed name in a later "
+            "layer, or stop stashing it"
+        )
     return graph
 
 
@@ -125,8 +153,11 @@ def _where(error: BaseException) -> str:
     """' (at file:line in func: code)' for the last frame of user code in the traceback."""
     torch_dir = str(Path(torch.__file__).parent)
     ours = (str(Path(__file__)), str(Path(inspect.getfile(skip_names))))
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(torch_dir) and f.filename not in ours]
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith(torch_dir) and f.filename not in ours
+    ]
     if not frames:
         return ""
     frame = frames[-1]

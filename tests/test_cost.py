@@ -1,5 +1,5 @@
-"""The simulator: blocking rules, costs from a profile, memory accounting, and (on two gloo
-ranks) predicted activation memory against the runtime's meter."""
+"""Costs of a profiled model (conveyor.planner.cost): units summed, overheads, memory as the
+runtime's meter counts it, and (on two gloo ranks) predicted activation memory against it."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from conveyor.planner import (
     split_units,
 )
 from conveyor.schedule import SCHEDULES, Action, Kind, Program, layout_of
-from conveyor.simulator import DeadlockError, UnitCost, simulate
+from conveyor.simulator import simulate
 from conveyor.trace import Timeline
 from dist import run_ranks
 
@@ -36,72 +36,36 @@ def _layout(name: str, num_ranks: int) -> tuple[int, list[int]]:
     return num_stages, place(num_stages, num_ranks, wanted.placement)
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-def test_every_schedule_executes_in_program_order_without_overlap(name: str) -> None:
-    num_stages, placement = _layout(name, 3)
-    graph = chain(num_stages, placement=placement)
-    program = build_program(name, graph, 6)
-    timeline = simulate(program, graph, UnitCost(latency=0.25))
-    for rank in range(3):
-        events = timeline.on(rank)
-        compute = [e.action for e in events if e.is_compute]
-        assert compute == [str(a) for a in program[rank] if a.is_compute]
-        for before, after in itertools.pairwise(events):
-            assert after.start >= before.end - 1e-12
-
-
-class _Costs:
-    """F=1, B=2, transfers 0.5 after the send, sends 0.1, posting 0.05, collecting 0.01."""
-
-    def compute(self, action: Action) -> float:
-        return 1.0 if action.kind is Kind.F else 2.0
-
-    def transfer(self, action: Action) -> float:
-        return 0.5
-
-    def overhead(self, action: Action) -> float:
-        return 0.1 if action.kind.is_send else 0.05
-
-    def wait(self, action: Action) -> float:
-        return 0.01
-
-
-def test_transfers_overheads_and_waits_follow_the_runtime_rules() -> None:
-    graph = chain(2)
-    program = build_program("gpipe", graph, 1)
-    assert str(program) == "0F0 0SF0>1 0RB0<1 0B0\n1RF0<0 1F0 1B0 1SB0>0"
-    timeline = simulate(program, graph, _Costs())
-    spans = {(e.rank, e.action): (round(e.start, 6), round(e.end, 6)) for e in timeline.events}
-    assert spans == {
-        (0, "0F0"): (0.0, 1.0), (0, "0SF0>1"): (1.0, 1.1), (0, "0RB0<1"): (1.1, 1.15),
-        (0, "wait 0RB0<1"): (1.15, 5.22), (0, "0B0"): (5.22, 7.22),
-        (1, "1RF0<0"): (0.0, 0.05), (1, "wait 1RF0<0"): (0.05, 1.61), (1, "1F0"): (1.61, 2.61),
-        (1, "1B0"): (2.61, 4.61), (1, "1SB0>0"): (4.61, 4.71), (1, "wait sends"): (4.71, 5.21),
-    }
-    assert timeline.step_time == pytest.approx(7.22)
-
-
-def test_a_receive_posted_out_of_order_is_a_deadlock() -> None:
-    graph = chain(2)
-    program = Program.parse("0F0 0F1 0SF1>1 0SF0>1 0RB0<1 0RB1<1 0B0 0B1\n"
-                            "1RF0<0 1RF1<0 1F0 1F1 1B0 1SB0>0 1B1 1SB1>0")
-    with pytest.raises(DeadlockError, match="post receives in the order"):
-        simulate(program, graph)
-
-
 # -- a synthetic profile: four units in a chain ---------------------------------------------
 
 
 def _profile(num_units: int = 4, **overheads: float) -> Profile:
-    units = tuple(Unit(f"u{i}", str(i), (i - 1,), 100 * (i + 1), 100 * (i + 1))
-                  for i in range(num_units))
-    stats = tuple(UnitStats(forward=1.0 + i, backward=2.0 + i, backward_input=1.0,
-                            backward_weight=1.0 + i, saved_bytes=1000 * (i + 1),
-                            output_bytes=10, saves_input=(True,), saves_output=False,
-                            message_bytes=10, weight_grad_bytes=7)
-                  for i in range(num_units))
-    return Profile("synthetic", units, {4: stats}, {4: (0.5, 0.25)}, input_bytes_per_sample=3,
-                   overheads=Overheads(**overheads))
+    units = tuple(
+        Unit(f"u{i}", str(i), (i - 1,), 100 * (i + 1), 100 * (i + 1)) for i in range(num_units)
+    )
+    stats = tuple(
+        UnitStats(
+            forward=1.0 + i,
+            backward=2.0 + i,
+            backward_input=1.0,
+            backward_weight=1.0 + i,
+            saved_bytes=1000 * (i + 1),
+            output_bytes=10,
+            saves_input=(True,),
+            saves_output=False,
+            message_bytes=10,
+            weight_grad_bytes=7,
+        )
+        for i in range(num_units)
+    )
+    return Profile(
+        "synthetic",
+        units,
+        {4: stats},
+        {4: (0.5, 0.25)},
+        input_bytes_per_sample=3,
+        overheads=Overheads(**overheads),
+    )
 
 
 def test_profile_costs_sum_units_and_add_overheads_loss_and_recomputation() -> None:
@@ -138,8 +102,9 @@ def test_activation_memory_is_counted_as_the_meter_counts_it() -> None:
 
 
 @pytest.mark.parametrize(("name", "held", "held_last"), [("gpipe", 3, 3), ("1f1b", 2, 1)])
-def test_peak_memory_counts_the_microbatches_a_schedule_keeps(name: str, held: int,
-                                                              held_last: int) -> None:
+def test_peak_memory_counts_the_microbatches_a_schedule_keeps(
+    name: str, held: int, held_last: int
+) -> None:
     profile = _profile()
     graph, units = layout(profile, split_units(4, [2, 2]))
     cost = ProfileCost(profile, graph, units, 4, 3)
@@ -166,10 +131,13 @@ def test_split_backward_holds_part_of_the_activations_from_i_until_w() -> None:
 
 
 def test_layout_of_a_graph_sends_each_value_to_the_stages_that_use_it() -> None:
-    units = (Unit("a", "a", (-1,), 0, 0), Unit("b", "b", (0,), 0, 0), Unit("c", "c", (0,), 0, 0),
-             Unit("d", "d", (1, 2), 0, 0))
-    stats = tuple(UnitStats(1, 2, 1, 1, 0, 8, (False,) * len(u.inputs), False, 8)
-                  for u in units)
+    units = (
+        Unit("a", "a", (-1,), 0, 0),
+        Unit("b", "b", (0,), 0, 0),
+        Unit("c", "c", (0,), 0, 0),
+        Unit("d", "d", (1, 2), 0, 0),
+    )
+    stats = tuple(UnitStats(1, 2, 1, 1, 0, 8, (False,) * len(u.inputs), False, 8) for u in units)
     profile = Profile("dag", units, {1: stats}, {1: (0.0, 0.0)}, 4)
     graph, _ = layout(profile, [[0], [1], [2], [3]])
     assert [graph.consumers(s) for s in range(4)] == [[1, 2], [3], [3], []]
@@ -204,24 +172,36 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _memory_worker(rank: int, world_size: int, results: str) -> None:
     model = _mlp()
     batch_size, num_microbatches = 24, 6
-    profile = profile_model(Workload("mlp", model, _batch, _loss), [batch_size // num_microbatches],
-                            threads=None, min_time_s=0.0, min_repeats=1)
+    profile = profile_model(
+        Workload("mlp", model, _batch, _loss),
+        [batch_size // num_microbatches],
+        threads=None,
+        min_time_s=0.0,
+        min_repeats=1,
+    )
     lines = []
     for name in sorted(SCHEDULES):
         num_stages, placement = _layout(name, world_size)
         for checkpoint in ("never", "except_last"):
             units = split_units(profile.num_units, _even(profile.num_units, num_stages))
-            pipe = Pipeline(_mlp(), loss_fn=_loss, schedule=name, placement=tuple(placement),
-                            balance=tuple(len(u) for u in units),
-                            num_microbatches=num_microbatches, checkpoint=checkpoint,
-                            measure_memory=True)
+            pipe = Pipeline(
+                _mlp(),
+                loss_fn=_loss,
+                schedule=name,
+                placement=tuple(placement),
+                balance=tuple(len(u) for u in units),
+                num_microbatches=num_microbatches,
+                checkpoint=checkpoint,
+                measure_memory=True,
+            )
             inputs, targets = _batch(batch_size)
             for _ in range(2):
                 pipe.step(inputs, targets)
             measured = pipe.memory().peak_bytes
             graph, units = layout(profile, units, placement)
-            cost = ProfileCost(profile, graph, units, batch_size / num_microbatches,
-                               num_microbatches, checkpoint)
+            cost = ProfileCost(
+                profile, graph, units, batch_size / num_microbatches, num_microbatches, checkpoint
+            )
             predicted = predict(build_program(name, graph, num_microbatches), graph, cost)
             lines.append(f"{name} {checkpoint} {measured} {predicted.peak_activation[rank]}")
     Path(results, f"rank{rank}.txt").write_text("\n".join(lines))
@@ -240,8 +220,7 @@ def test_predicted_peak_activation_memory_matches_the_runtime_meter(tmp_path: Pa
             name, checkpoint, measured, predicted = line.split()
             # exact for most; the meter keys storages by address, so the allocator reusing an
             # address can move a peak by one small tensor (1 KiB of ~11 KiB here)
-            assert int(predicted) == pytest.approx(int(measured), rel=0.1), (name, checkpoint,
-                                                                           rank)
+            assert int(predicted) == pytest.approx(int(measured), rel=0.1), (name, checkpoint, rank)
 
 
 def test_profile_costs_reject_a_split_that_does_not_cover_the_units() -> None:
@@ -257,14 +236,30 @@ def test_profile_costs_reject_a_split_that_does_not_cover_the_units() -> None:
     assert cost.message_bytes(Action(0, Kind.RECV_B, 0, 1)) == 10
 
 
-def test_simulate_command_predicts_a_profiled_model(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_command_predicts_a_profiled_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from conveyor.cli import main
 
     _profile(forward=1e-3).save(tmp_path / "p.json")
-    argv = ["simulate", "--profile", str(tmp_path / "p.json"), "--schedule", "1f1b",
-            "--stages", "2", "--microbatches", "3", "--balance", "1", "3",
-            "--png", str(tmp_path / "p.png"), "--save-timeline", str(tmp_path / "t.json")]
+    argv = [
+        "simulate",
+        "--profile",
+        str(tmp_path / "p.json"),
+        "--schedule",
+        "1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "3",
+        "--balance",
+        "1",
+        "3",
+        "--png",
+        str(tmp_path / "p.png"),
+        "--save-timeline",
+        str(tmp_path / "t.json"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "predicted:" in out and "rank 1: peak activations" in out
@@ -276,10 +271,12 @@ def test_simulate_command_predicts_a_profiled_model(tmp_path: Path,
 
 
 def test_a_stage_holds_the_batch_of_the_model_inputs_it_takes_only() -> None:
-    units = (Unit("text", "text", (-1,), 0, 0), Unit("image", "image", (-2,), 0, 0),
-             Unit("head", "head", (0, 1), 0, 0))
-    stats = tuple(UnitStats(1, 2, 1, 1, 0, 8, (False,) * len(u.inputs), False, 8)
-                  for u in units)
+    units = (
+        Unit("text", "text", (-1,), 0, 0),
+        Unit("image", "image", (-2,), 0, 0),
+        Unit("head", "head", (0, 1), 0, 0),
+    )
+    stats = tuple(UnitStats(1, 2, 1, 1, 0, 8, (False,) * len(u.inputs), False, 8) for u in units)
     profile = Profile("towers", units, {2: stats}, {2: (0.0, 0.0)}, 10 + 1000, (10, 1000))
     graph, stage_units = layout(profile, [[0], [1, 2]])
     cost = ProfileCost(profile, graph, stage_units, 2, 4)

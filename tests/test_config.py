@@ -1,0 +1,92 @@
+"""Configuration (conveyor.config): sections validate their fields, every source in one order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli.flags import field_docs
+from conveyor.config import (
+    PLAN_ENV,
+    TRACE_ENV,
+    PipelineConfig,
+    RuntimeConfig,
+    SplitConfig,
+    TrainingConfig,
+    read_plan,
+    resolve,
+)
+
+
+def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
+    config = PipelineConfig(balance=(3, 3), num_microbatches=8, timeout_s=5.0)
+    assert (config.balance, config.num_microbatches, config.timeout_s) == ((3, 3), 8, 5.0)
+    sections = [SplitConfig, TrainingConfig, RuntimeConfig]
+    names = [set(section.__dataclass_fields__) for section in sections]
+    assert set.union(*names) == set(PipelineConfig.__dataclass_fields__)
+    assert sum(len(n) for n in names) == len(PipelineConfig.__dataclass_fields__)
+    docs = field_docs(PipelineConfig)  # every field documents itself (CLI help)
+    assert set(docs) == set(PipelineConfig.__dataclass_fields__)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"balance": (3, 3), "split_points": ("4",)}, "pass one way to split"),
+        ({"stage_modules": ("a", " ,")}, "has an empty stage"),
+        ({"num_microbatches": 0}, "num_microbatches must be >= 1"),
+        ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
+        ({"stage_checkpoint": ("never", "often")}, r"stage_checkpoint has modes \['often'\]"),
+        ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"tie_weights": ("a.weight",)}, "names fewer than two"),
+    ],
+)
+def test_each_section_rejects_bad_values(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig(**fields)  # type: ignore[arg-type]  # wrong on purpose
+
+
+def test_plain_data_round_trips_and_unknown_fields_are_named() -> None:
+    config = PipelineConfig(balance=(2, 4), stage_checkpoint=("never", "always"))
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["balance"] == [2, 4]
+    assert PipelineConfig.from_dict(data) == config
+    with pytest.raises(ValueError, match=r"my.toml sets unknown fields \['microbatches'\]"):
+        PipelineConfig.from_dict({"microbatches": 4}, "my.toml")
+
+
+def test_a_plan_replaces_the_way_to_split(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"pipeline": {"split_points": ["layers.2"], "num_microbatches": 8}}))
+    config = PipelineConfig(balance=(3, 3), schedule="gpipe").with_plan(read_plan(plan))
+    assert (config.balance, config.split_points) == (None, ("layers.2",))
+    assert (config.num_microbatches, config.schedule) == (8, "gpipe")
+
+
+def test_sources_resolve_in_order(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"pipeline": {"num_microbatches": 8, "schedule": "zb-h1"}}))
+    base = PipelineConfig(num_microbatches=2)
+    assert resolve(base, environ={}) == base
+    # the script's plan, then its options
+    script = resolve(base, plan=plan, options={"schedule": "gpipe"}, environ={})
+    assert (script.num_microbatches, script.schedule) == (8, "gpipe")
+    # `conveyor run --plan` overrides the script; --trace only fills an unset directory
+    launched = resolve(
+        base, options={"schedule": "gpipe"}, environ={PLAN_ENV: str(plan), TRACE_ENV: "/runs/t"}
+    )
+    assert (launched.schedule, launched.trace_dir) == ("zb-h1", "/runs/t")
+    own = resolve(base, options={"trace_dir": "mine"}, environ={TRACE_ENV: "/runs/t"})
+    assert own.trace_dir == "mine"
+
+
+def test_bad_plan_files_are_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match=r"bad\.json' is not JSON"):
+        read_plan(bad)
+    bad.write_text(json.dumps({"prediction": {}}))
+    with pytest.raises(ValueError, match="has no 'pipeline' section"):
+        read_plan(bad)

@@ -1,0 +1,159 @@
+"""The package layout itself: imports run one way, each module imports alone, one definition
+per Note, private torch APIs in one module, the public API in ``conveyor``, and the code
+formatted and linted as STYLE.md says."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import conveyor
+
+SRC = Path(conveyor.__file__).parent
+ROOT = SRC.parent.parent
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """conveyor modules ``path`` imports, at any depth, except under ``if TYPE_CHECKING``."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module in modules:
+            # `from package import submodule` imports the submodule, not the package's names
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            found |= (subs & set(modules)) or {node.module}
+            if subs - set(modules):
+                found.add(node.module)
+    return found
+
+
+def test_imports_run_one_way() -> None:
+    modules = _modules()
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                cycle = [*path[path.index(other) :], other]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if other not in state:
+                visit(other, [*path, other])
+        state[name] = 2
+
+    for name in modules:
+        if name not in state:
+            visit(name, [name])
+
+
+def test_every_module_imports_alone() -> None:
+    # one interpreter (torch loads once); conveyor is forgotten before each module; entry
+    # points (__main__) run a command when imported, so they are left out
+    names = sorted(name for name in _modules() if not name.endswith("__main__"))
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    for loaded in [m for m in sys.modules if m.split('.')[0] == 'conveyor']:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_each_module_says_what_it_holds_and_what_it_exports() -> None:
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        assert ast.get_docstring(tree), f"{name} has no docstring"
+        assigned = {
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Name)
+        }
+        assert "__all__" in assigned, f"{name} declares no __all__"
+
+
+def test_notes_are_defined_once_and_every_reference_has_its_definition() -> None:
+    text = {path: path.read_text() for path in SRC.rglob("*.py")}
+    definitions = [
+        m for t in text.values() for m in re.findall(r"^# Note \[([^\]]+)\]:$", t, flags=re.M)
+    ]
+    assert len(definitions) == len(set(definitions)), "a Note is defined twice"
+    references = {
+        m for t in text.values() for m in re.findall(r"See Note \[([^\]]+)\]", " ".join(t.split()))
+    }
+    assert references <= set(definitions), f"undefined Notes {references - set(definitions)}"
+
+
+def test_private_torch_apis_are_used_in_torch_compat_only() -> None:
+    private = re.compile(r"torch(\.\w+)*\._[a-z]\w*|\._(modules|parameters|buffers)\b")
+    for path in SRC.rglob("*.py"):
+        if path.name == "torch_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            code = line.split("#")[0]
+            assert not private.search(code), f"{path.name}:{number}: {line.strip()}"
+
+
+def test_the_public_api_is_reachable_from_conveyor() -> None:
+    for name in (
+        "Pipeline",
+        "PipelineConfig",
+        "Checkpointer",
+        "CheckpointConfig",
+        "Timeline",
+        "plan",
+        "simulate",
+        "SCHEDULES",
+        "build_program",
+        "PeerLostError",
+        "skippable",
+        "DeferredBatchNorm",
+        "ResumableLoader",
+    ):
+        assert name in conveyor.__all__ and hasattr(conveyor, name), name
+
+
+@pytest.mark.parametrize("command", [["format", "--check"], ["check"]])
+def test_ruff_passes(command: list[str]) -> None:
+    ruff = Path(sys.executable).parent / "ruff"
+    if not ruff.exists():
+        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    result = subprocess.run(
+        [str(ruff), *command, "src", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]

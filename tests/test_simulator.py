@@ -1,0 +1,79 @@
+"""The simulator (conveyor.simulator): programs run in order, by the runtime's blocking rules."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conveyor import build_program, chain
+from conveyor.graph import place
+from conveyor.schedule import SCHEDULES, Action, Kind, Program, layout_of
+from conveyor.simulator import DeadlockError, UnitCost, simulate
+
+
+def _layout(name: str, num_ranks: int) -> tuple[int, list[int]]:
+    wanted = layout_of(name)
+    num_stages = wanted.virtual_stages * num_ranks
+    return num_stages, place(num_stages, num_ranks, wanted.placement)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_executes_in_program_order_without_overlap(name: str) -> None:
+    num_stages, placement = _layout(name, 3)
+    graph = chain(num_stages, placement=placement)
+    program = build_program(name, graph, 6)
+    timeline = simulate(program, graph, UnitCost(latency=0.25))
+    for rank in range(3):
+        events = timeline.on(rank)
+        compute = [e.action for e in events if e.is_compute]
+        assert compute == [str(a) for a in program[rank] if a.is_compute]
+        for before, after in itertools.pairwise(events):
+            assert after.start >= before.end - 1e-12
+
+
+class _Costs:
+    """F=1, B=2, transfers 0.5 after the send, sends 0.1, posting 0.05, collecting 0.01."""
+
+    def compute(self, action: Action) -> float:
+        return 1.0 if action.kind is Kind.F else 2.0
+
+    def transfer(self, action: Action) -> float:
+        return 0.5
+
+    def overhead(self, action: Action) -> float:
+        return 0.1 if action.kind.is_send else 0.05
+
+    def wait(self, action: Action) -> float:
+        return 0.01
+
+
+def test_transfers_overheads_and_waits_follow_the_runtime_rules() -> None:
+    graph = chain(2)
+    program = build_program("gpipe", graph, 1)
+    assert str(program) == "0F0 0SF0>1 0RB0<1 0B0\n1RF0<0 1F0 1B0 1SB0>0"
+    timeline = simulate(program, graph, _Costs())
+    spans = {(e.rank, e.action): (round(e.start, 6), round(e.end, 6)) for e in timeline.events}
+    assert spans == {
+        (0, "0F0"): (0.0, 1.0),
+        (0, "0SF0>1"): (1.0, 1.1),
+        (0, "0RB0<1"): (1.1, 1.15),
+        (0, "wait 0RB0<1"): (1.15, 5.22),
+        (0, "0B0"): (5.22, 7.22),
+        (1, "1RF0<0"): (0.0, 0.05),
+        (1, "wait 1RF0<0"): (0.05, 1.61),
+        (1, "1F0"): (1.61, 2.61),
+        (1, "1B0"): (2.61, 4.61),
+        (1, "1SB0>0"): (4.61, 4.71),
+        (1, "wait sends"): (4.71, 5.21),
+    }
+    assert timeline.step_time == pytest.approx(7.22)
+
+
+def test_a_receive_posted_out_of_order_is_a_deadlock() -> None:
+    graph = chain(2)
+    program = Program.parse(
+        "0F0 0F1 0SF1>1 0SF0>1 0RB0<1 0RB1<1 0B0 0B1\n1RF0<0 1RF1<0 1F0 1F1 1B0 1SB0>0 1B1 1SB1>0"
+    )
+    with pytest.raises(DeadlockError, match="post receives in the order"):
+        simulate(program, graph)
