@@ -19,8 +19,10 @@ from conveyor.graph import StageGraph
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
+from conveyor.runtime.fingerprint import autocast_state, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
+from conveyor.runtime.materialize import Unset, materialize
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import TiedWeights, find_ties
 from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
@@ -114,10 +116,21 @@ class Pipeline:
         )
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
+        self._unset = Unset()
+        """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
         self.stages = {
-            s: _materialize(self.graph.stages[s].module, self.device)
+            s: _materialize(self.graph.stages[s].module, self.device, self._unset)
             for s in self.graph.stages_on(self.rank)
         }
+        if not any(True for _ in self.parameters()):
+            logger.warning(
+                "rank %d holds no parameters (stages %s); torch.optim refuses an empty "
+                "parameter list, so make the optimizer only where there are some: params "
+                "= list(pipe.parameters()); optimizer = AdamW(params) if params else None "
+                "(or move the cut so that every rank holds parameters)",
+                self.rank,
+                list(self.stages),
+            )
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
@@ -178,6 +191,19 @@ class Pipeline:
         return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
 
     __call__ = forward
+
+    def compile(self, **options: Any) -> Pipeline:
+        """Compile this rank's stages with ``torch.compile(**options)``, in place.
+
+        Call it on every rank after the split. Parameter names stay the model's (the stages
+        are compiled in place, as ``nn.Module.compile`` does); a step that compiles (the first,
+        and the first with new input shapes or another mode) waits up to ``compile_timeout_s``
+        for peers instead of ``timeout_s``. See Note [compiled stages] for split backward.
+        """
+        for module in self.stages.values():
+            module.compile(**options)
+        self._runtime.compile_timeout = timedelta(seconds=self.config.compile_timeout_s)
+        return self
 
     # -- timelines -------------------------------------------------------------------------
 
@@ -240,13 +266,18 @@ class Pipeline:
                 [c / size for c in counts] if self.config.loss_reduction == "mean" else [1.0] * m
             )
         split_targets = None if targets is None else microbatch.split(targets, m, size)
+        where = f"rank {self.rank} (stages {list(self.stages)})"
+        mine = fingerprint(
+            bound, targets, is_training, self.device, size, self._unset.problem(where)
+        )
         return StepInputs(
             chunks,
-            [_signature(c) for c in chunks],
+            [_signature(c, self.device) for c in chunks],
             split_targets,
             weights,
             self.step_index,
             is_training,
+            mine,
         )
 
     # -- the local part of the model ------------------------------------------------------
@@ -405,28 +436,10 @@ def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> t
     return tuple(split_points)
 
 
-def _materialize(module: nn.Module | None, device: torch.device) -> nn.Module:
-    """Move a stage to ``device``; a stage on the meta device is allocated and initialized
-    there with each submodule's ``reset_parameters`` (load a state_dict for other values)."""
+def _materialize(module: nn.Module | None, device: torch.device, unset: Unset) -> nn.Module:
+    """A stage on ``device``; See Note [meta materialization]."""
     assert module is not None
-    tensors = list(module.parameters()) + list(module.buffers())
-    if not any(t.is_meta for t in tensors):
-        return module.to(device)
-    module.to_empty(device=device)
-    uninitialized = []
-    for name, sub in module.named_modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        elif any(True for _ in sub.parameters(recurse=False)):
-            uninitialized.append(name)
-    if uninitialized:
-        logger.warning(
-            "modules %s have no reset_parameters(); their parameters are "
-            "uninitialized until you call Pipeline.load_state_dict",
-            uninitialized,
-        )
-    return module
+    return materialize(module, device, unset)
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -438,7 +451,9 @@ def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def _signature(chunk: dict[str, Any]) -> str:
-    """Shapes, dtypes and constants of a micro-batch: the key for exchanged shapes."""
+def _signature(chunk: dict[str, Any], device: torch.device) -> str:
+    """Shapes, dtypes and constants of a micro-batch, and the autocast state (it changes the
+    dtypes stages send): the key for exchanged shapes."""
     meta = Meta.of(chunk)
-    return repr((meta.spec, [(leaf.shape, leaf.dtype, leaf.constant) for leaf in meta.leaves]))
+    leaves = [(leaf.shape, leaf.dtype, leaf.constant) for leaf in meta.leaves]
+    return repr((meta.spec, leaves, autocast_state(device)))

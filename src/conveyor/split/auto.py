@@ -22,6 +22,7 @@ from conveyor.split.cut import DataflowGraph, best_cut
 from conveyor.split.inputs import bind_inputs
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
 from conveyor.split.tracing import COMPUTE_OPS, HOW_TO_ANNOTATE, trace_graph
+from conveyor.split.untouched import untouched
 from conveyor.torch_compat import pytree
 
 __all__ = ["DEFAULT_BYTE_COST", "auto_split", "node_costs"]
@@ -84,11 +85,7 @@ def auto_split(
         (),
         concrete_args,
         leaf=is_leaf,
-        hint=(
-            "Keep the module that holds it whole with auto_split(..., leaf_modules=['<name>']) "
-            "(it is then never traced), or pass concrete_args for inputs that steer control "
-            f"flow. {HOW_TO_ANNOTATE}"
-        ),
+        hint=_untraceable_advice,
     )
     nodes = [n for n in graph.nodes if n.op in COMPUTE_OPS]
     if len(nodes) < num_stages:
@@ -129,6 +126,19 @@ def auto_split(
             f"{num_stages} stages; give one rank per stage"
         )
     return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
+
+
+def _untraceable_advice(module: str) -> str:
+    """How to get past code torch.fx cannot trace in ``module`` ('' for the model's forward)."""
+    keep = (
+        f"Keep the module that holds it whole with auto_split(..., leaf_modules=[{module!r}]) "
+        "(it is then never traced)"
+        if module
+        else "It is in the model's own forward, which auto_split must trace: move that code "
+        "into a submodule and name the submodule in auto_split(..., leaf_modules=[...]) (it "
+        "is then never traced)"
+    )
+    return f"{keep}, or pass concrete_args for inputs that steer control flow. {HOW_TO_ANNOTATE}"
 
 
 def node_costs(
@@ -187,7 +197,7 @@ def _measure(
             sizes[n] = float(sum(t.numel() * t.element_size() for t in tensors))
             return result
 
-    with torch.no_grad():
+    with torch.no_grad(), untouched(model):
         _Counting(module).run(*args)
     return weights, sizes
 

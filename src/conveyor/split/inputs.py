@@ -63,11 +63,35 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
             )
         return given
     signature = inspect.signature(model.forward)
-    if isinstance(inputs, dict):
-        bound = signature.bind(**inputs)
-    elif isinstance(inputs, tuple | list):
-        bound = signature.bind(*inputs)
-    else:
-        bound = signature.bind(inputs)
+    try:
+        if isinstance(inputs, dict):
+            bound = signature.bind(**inputs)
+        elif isinstance(inputs, tuple | list):
+            bound = signature.bind(*inputs)
+        else:
+            bound = signature.bind(inputs)
+    except TypeError as error:
+        raise TypeError(_bind_error(model, signature, inputs, error)) from error
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _bind_error(
+    model: nn.Module, signature: inspect.Signature, inputs: Any, error: TypeError
+) -> str:
+    """What was passed, what forward takes, and how to pass it."""
+    kind = type(inputs).__name__
+    if isinstance(inputs, dict | tuple | list):
+        given = (
+            f"a dict with keys {sorted(inputs)} (keyword arguments)"
+            if isinstance(inputs, dict)
+            else f"a {kind} of {len(inputs)} values (positional arguments)"
+        )
+        example = "({'a': a},)" if isinstance(inputs, dict) else "((a, b),)"
+        fix = (
+            f"; to pass one {kind} as forward's first argument, wrap it in a tuple: "
+            f"pipe.forward({example})"
+        )
+    else:
+        given, fix = f"one {kind}", ""
+    return f"cannot pass {given} to {type(model).__name__}.forward{signature}: {error}{fix}"
