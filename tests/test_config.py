@@ -48,6 +48,16 @@ def test_each_section_rejects_bad_values(fields: dict[str, object], message: str
         PipelineConfig(**fields)  # type: ignore[arg-type]  # wrong on purpose
 
 
+def test_counts_take_whole_floats_and_refuse_the_rest() -> None:
+    config = PipelineConfig(num_microbatches=42.0, balance=(3.0, 5), virtual_stages=2.0)
+    assert (config.num_microbatches, config.balance, config.virtual_stages) == (42, (3, 5), 2)
+    assert type(config.num_microbatches) is int
+    with pytest.raises(ValueError, match=r"num_microbatches must be a whole number, got 42\.5"):
+        PipelineConfig(num_microbatches=42.5)
+    with pytest.raises(TypeError, match="num_microbatches must be an integer, got str '4'"):
+        PipelineConfig(num_microbatches="4")  # type: ignore[arg-type]  # wrong on purpose
+
+
 def test_plain_data_round_trips_and_unknown_fields_are_named() -> None:
     config = PipelineConfig(balance=(2, 4), stage_checkpoint=("never", "always"))
     data = json.loads(json.dumps(config.to_dict()))

@@ -91,8 +91,8 @@ def fingerprint(
     Raises:
         ValueError: a tensor of the batch is on the meta device (it holds no values).
     """
-    _refuse_meta(inputs, "model input")
-    _refuse_meta(targets, "target")
+    _refuse_meta(inputs, "model inputs")
+    _refuse_meta(targets, "targets")
     layout = [_layout(inputs), _layout(targets)]
     return Fingerprint(
         -1 if batch_size is None else batch_size,
@@ -163,11 +163,10 @@ def _refuse_meta(value: Any, what: str) -> None:
     leaves, _ = pytree.tree_flatten_with_path(value)
     for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.is_meta:
-            name = pytree.keystr(path) or "the batch"
             raise ValueError(
-                f"{what} {name} of shape {tuple(leaf.shape)} is on the meta device: it has "
-                "no values to compute with; pass tensors with data (on the CPU or the "
-                "pipeline's device)"
+                f"{what}{pytree.keystr(path)} of shape {tuple(leaf.shape)} is on the meta "
+                "device: it has no values to compute with; pass tensors with data (on the "
+                "CPU or the pipeline's device)"
             )
 
 

@@ -68,6 +68,12 @@ class InputGradients:
             )
         return self._leaves[key]
 
+    def has_work(self, microbatches: Sequence[dict[str, Any]]) -> bool:
+        """Whether ``finish`` sends or receives anything this step."""
+        return bool(self._leaves) or any(
+            grad_leaves(batch[name]) for name in self._senders for batch in microbatches
+        )
+
     def finish(self, microbatches: Sequence[dict[str, Any]]) -> None:
         """Send this rank's input gradients home, then backpropagate those sent here.
 

@@ -130,7 +130,8 @@ class Runtime:
         with torch.set_grad_enabled(step.is_training), self._compile_allowance(step):
             if step.fingerprint is not None:
                 what = f"step {step.step_index}" if step.is_training else "a forward() call"
-                agree(self.p2p, step.fingerprint, what)
+                with self._as_one_wait("batch check" if self.graph.num_ranks > 1 else None):
+                    agree(self.p2p, step.fingerprint, what)
             for action in actions:
                 logger.debug("[rank %d] %s", self.rank, action)
                 if recorder is None:
@@ -139,11 +140,25 @@ class Runtime:
                 start = recorder.now()
                 self._handlers[action.kind](action)
                 recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
-            if step.is_training:
-                self._input_grads.finish(step.microbatches)
+            if step.is_training and self._input_grads.has_work(step.microbatches):
+                with self._as_one_wait("input gradients"):
+                    self._input_grads.finish(step.microbatches)
             self.p2p.wait_sends()
         state, self._state = self._state, _State()
         return state
+
+    @contextmanager
+    def _as_one_wait(self, describe: str | None) -> Iterator[None]:
+        """Record the messages inside as one wait named ``describe`` (they are no action of
+        the Program); None: record nothing."""
+        recorder, self.p2p.recorder = self.p2p.recorder, None
+        start = 0.0 if recorder is None else recorder.now()
+        try:
+            yield
+        finally:
+            self.p2p.recorder = recorder
+        if recorder is not None and describe is not None:
+            recorder.wait(describe, start, recorder.now())
 
     @contextmanager
     def _compile_allowance(self, step: StepInputs) -> Iterator[None]:

@@ -57,12 +57,13 @@ def _repeated_layers(model: nn.Sequential) -> str:
     for i, layer in enumerate(model):
         positions.setdefault(id(layer), []).append(i)
     repeats = [p for p in positions.values() if len(p) > 1]
+    first = repeats[0]
     return (
         f"the nn.Sequential holds the same module object at positions "
         f"{', '.join(str(p) for p in repeats)} (one layer applied several times), so its "
         "layers cannot be told apart to split it; build each position from its own module "
         "(copy.deepcopy(layer)), and to keep their weights equal across stages pass "
-        "tie_weights=('0.weight,1.weight', ...)"
+        f"tie_weights=('{first[0]}.weight,{first[1]}.weight', ...)"
     )
 
 
