@@ -35,6 +35,8 @@ def test_equal_batches_agree_and_any_change_shows() -> None:
     bits = torch.tensor([[True, False]] * 4)
     assert _of({"m": bits}).inputs != _of({"m": ~bits}).inputs  # every dtype, by its bytes
     assert _of({"e": torch.empty(4, 0)}).inputs == _of({"e": torch.empty(4, 0)}).inputs
+    sliced = torch.randn(33)[1:33].view(4, 8)  # 4 bytes into its storage
+    assert _of({"x": sliced}) == _of({"x": sliced.clone()})
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _of({"x": x}, x).mode != same.mode
 

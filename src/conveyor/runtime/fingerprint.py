@@ -1,6 +1,6 @@
 """Every rank must be given the same batch: a fingerprint of it, compared by all ranks at once.
 
-    mine = fingerprint(bound_inputs, targets, is_training=True, device=device)
+    mine = fingerprint(bound_inputs, targets, True, device, batch_size)
     agree(p2p, mine, "step 3")   # on every rank before the step's first message; raises if
                                  # any rank's fingerprint differs
 
@@ -34,10 +34,11 @@ __all__ = ["Fingerprint", "agree", "autocast_state", "fingerprint"]
 # size, digests of the structure (shapes, dtypes, constants), of the inputs' values, of the
 # targets' values, of the mode (step or forward, autocast), and a flag for a rank that cannot
 # run (its stages hold parameters nothing initialized). Values are digested exactly: each
-# tensor's bytes as integers, summed plainly and weighted by position along the batch and
-# across a sample (integer sums do not depend on the order of reduction, so equal batches give
-# equal digests on any rank and device, and a batch reordered or shifted gives another). One
-# exchange costs each rank p - 1 small messages each way (measured in docs/benchmarks.md).
+# tensor's bytes as 64-bit integers, summed (wrapping) plainly and weighted by position along
+# the batch and across a sample. Integer sums do not depend on the order of reduction, so equal
+# batches give equal digests on any rank and device, and a batch reordered or shifted gives
+# another. One exchange costs each rank p - 1 small messages each way, and the sums about one
+# read of the batch (measured in docs/benchmarks.md, batch check).
 @dataclass(frozen=True)
 class Fingerprint:
     """What every rank must agree on before a step: its batch and how the step runs."""
@@ -187,9 +188,6 @@ def _values(value: Any) -> list[tuple[int, int, int]]:
     return [_checksum(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _checksum(tensor: torch.Tensor) -> tuple[int, int, int]:
     """Exact integer sums of a tensor's bytes: plain, weighted by position along the first
     dimension, and weighted by position within a sample. See Note [batch fingerprint]."""
@@ -198,11 +196,14 @@ def _checksum(tensor: torch.Tensor) -> tuple[int, int, int]:
         return 0, 0, 0
     if data.is_complex():
         data = torch.view_as_real(data)
-    if data.dtype == torch.bool:
-        data = data.view(torch.uint8)
-    words = data.contiguous().view(_INTEGERS[data.element_size()])
-    rows = words.reshape(words.shape[0] if words.dim() > 0 else 1, -1)
-    by_row, by_column = rows.sum(1, dtype=torch.int64), rows.sum(0, dtype=torch.int64)
+    raw = data.contiguous().reshape(-1).view(torch.uint8)
+    rows = raw.reshape(data.shape[0] if data.dim() > 0 else 1, -1)
+    # sums of int64 words run as fast as float sums; other integer sums are far slower
+    if rows.shape[1] % 8 == 0:
+        words = (rows if rows.storage_offset() % 8 == 0 else rows.clone()).view(torch.int64)
+    else:
+        words = rows.to(torch.int64)
+    by_row, by_column = words.sum(1), words.sum(0)
     weigh = torch.arange(1, max(len(by_row), len(by_column)) + 1, device=words.device)
     sums = torch.stack(
         [
