@@ -40,6 +40,7 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
         ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
         ({"stage_checkpoint": ("never", "often")}, r"stage_checkpoint has modes \['often'\]"),
         ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"compile_timeout_s": -1.0}, "compile_timeout_s must be positive"),
         ({"tie_weights": ("a.weight",)}, "names fewer than two"),
     ],
 )

@@ -11,8 +11,9 @@ connections go straight from producer to consumer (``relay_skips=True`` instead 
 through every stage in between, as chain-only pipelines must).
 
 Modules: ``points`` (split points), ``modules`` (stage modules), ``auto`` (automatic cut) and
-``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential), ``inputs``; the
-internal ``tracing`` and ``stages`` are what they share.
+``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential), ``inputs``,
+``untouched`` (measuring a model without changing it); the internal ``tracing`` and
+``stages`` are what they share.
 """
 
 from conveyor.split.auto import auto_split

@@ -39,8 +39,10 @@ def even_balance(num_layers: int, num_stages: int) -> list[int]:
 def balance_to_split_points(model: nn.Sequential, balance: Sequence[int]) -> list[str]:
     """Names of the layers that start stages 1, 2, ... of an nn.Sequential."""
     names = [name for name, _ in model.named_children()]
-    if len(names) != len(model):
+    if len(names) != len(model) and len(balance) > 1:
         raise ValueError(_repeated_layers(model))
+    if len(balance) == 1 and balance[0] == len(model):
+        return []
     if any(b < 1 for b in balance) or sum(balance) != len(names):
         raise ValueError(
             f"balance {list(balance)} covers {sum(balance)} layers but the model has "
