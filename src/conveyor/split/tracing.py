@@ -7,7 +7,6 @@ the line of user code, and says how to avoid tracing it.
 
 from __future__ import annotations
 
-import inspect
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -126,7 +125,7 @@ def trace_graph(
             advice = advice.replace("<name>", stack[-1][0])
         raise TypeError(
             f"cannot trace {type(model).__name__} with torch.fx to split it: tracing stopped "
-            f"at {type(error).__name__}: {error}{inside}{_where(error)}. {advice}"
+            f"at {type(error).__name__}: {error}{inside}{where(error)}. {advice}"
         ) from error
     taken = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:  # fx renames specialized arguments ('scale' -> 'scale_1')
@@ -149,14 +148,12 @@ def trace_graph(
     return graph
 
 
-def _where(error: BaseException) -> str:
-    """' (at file:line in func: code)' for the last frame of user code in the traceback."""
-    torch_dir = str(Path(torch.__file__).parent)
-    ours = (str(Path(__file__)), str(Path(inspect.getfile(skip_names))))
+def where(error: BaseException) -> str:
+    """' (at file:line in func: code)' for the last frame of model code in the traceback:
+    neither torch's nor conveyor.split's own."""
+    skipped = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
     frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(torch_dir) and f.filename not in ours
+        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skipped)
     ]
     if not frames:
         return ""
