@@ -16,11 +16,13 @@ from torch import nn
 
 from conveyor.config import PipelineConfig, resolve
 from conveyor.graph import StageGraph
+from conveyor.huggingface import LABELS, label_counts, model_loss, takes_labels
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
+from conveyor.runtime.loss import counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import TiedWeights, find_ties
 from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
@@ -127,7 +129,7 @@ class Pipeline:
             self.rank,
             p2p,
             self.device,
-            loss_fn,
+            loss_fn or model_loss,
             config.stage_checkpoint or config.checkpoint,
             config.seed,
             config.measure_memory,
@@ -151,14 +153,7 @@ class Pipeline:
         recorder = self.recorder
         if recorder is not None:
             recorder.begin_step(self.step_index)
-        if self.loss_fn is None or targets is None:
-            raise ValueError(
-                f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
-                f"and targets to step() (loss_fn is "
-                f"{'set' if self.loss_fn else 'None'}, targets is "
-                f"{'set' if targets is not None else 'None'}); use forward() "
-                "for inference"
-            )
+        self._check_loss(targets)
         before = self.ties.gradients()
         state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
         self.ties.sum_gradients(before)
@@ -168,6 +163,26 @@ class Pipeline:
         if not state.losses:
             return None
         return torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
+
+    def _check_loss(self, targets: Any) -> None:
+        """A loss_fn with targets, or no loss_fn and labels for the model's own loss."""
+        model = self._model
+        own = self.loss_fn is None and targets is None and isinstance(model, nn.Module)
+        if (self.loss_fn is None or targets is None) and not own:
+            raise ValueError(
+                f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
+                f"and targets to step() (loss_fn is "
+                f"{'set' if self.loss_fn else 'None'}, targets is "
+                f"{'set' if targets is not None else 'None'}), or, without loss_fn, labels in "
+                "the batch of a model that computes its own loss (a Hugging Face model); use "
+                "forward() for inference"
+            )
+        if own and isinstance(model, nn.Module) and not takes_labels(model):
+            raise ValueError(
+                f"step() trains, which needs a loss: {type(model).__name__} takes no labels, "
+                "so it computes no loss of its own; pass loss_fn=... to Pipeline and targets "
+                "to step()"
+            )
 
     def forward(self, inputs: Any) -> Any:
         """Inference: the model's output for ``inputs`` on the last stage's rank, else None."""
@@ -229,17 +244,17 @@ class Pipeline:
 
     def _inputs(self, inputs: Any, targets: Any, is_training: bool) -> StepInputs:
         m = self.config.num_microbatches
-        bound = bind_inputs(self._model, inputs)
+        bound = bind_inputs(self.graph, inputs)
         size = microbatch.batch_size(bound)
         chunks = microbatch.split(bound, m, size)
-        if size is None:
-            weights = [1.0] * m
-        else:
-            counts = [microbatch.batch_size(c) or 0 for c in chunks]
-            weights = (
-                [c / size for c in counts] if self.config.loss_reduction == "mean" else [1.0] * m
-            )
         split_targets = None if targets is None else microbatch.split(targets, m, size)
+        if is_training and self.loss_fn is None and bound.get(LABELS) is None:
+            raise ValueError(
+                f"the batch has no {LABELS!r}: without loss_fn, the model computes its own loss "
+                f"and needs its labels; pass them in the batch, e.g. {{'input_ids': ids, "
+                f"'{LABELS}': ids}}"
+            )
+        weights = self._loss_weights(chunks, split_targets) if size else [1.0] * m
         return StepInputs(
             chunks,
             [_signature(c) for c in chunks],
@@ -248,6 +263,17 @@ class Pipeline:
             self.step_index,
             is_training,
         )
+
+    def _loss_weights(self, chunks: list[dict[str, Any]], targets: list[Any] | None) -> list[float]:
+        """Each micro-batch's weight in the step's loss (conveyor.runtime.loss): by what its
+        loss averages over."""
+        reduction = self.config.loss_reduction
+        if self.loss_fn is None and isinstance(self._model, nn.Module):  # the model's own loss
+            counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks])
+            return loss_weights("sum" if reduction == "sum" else "mean", counts)
+        if reduction == "token_mean" and targets is not None:
+            return loss_weights(reduction, [counted_tokens(t) for t in targets])
+        return loss_weights(reduction, [microbatch.batch_size(c) or 0 for c in chunks])
 
     # -- the local part of the model ------------------------------------------------------
 
@@ -346,21 +372,26 @@ def _split(
                 "graph from conveyor.split, or the model itself"
             )
         return (), model
+    traced = {"example_inputs": example_inputs, "tracer": config.tracer}
     if config.stage_modules is not None:
-        return (), split_by_modules(model, config.stage_modules, config.placement, concrete_args)
+        graph = split_by_modules(
+            model, config.stage_modules, config.placement, concrete_args, **traced
+        )
+        return (), graph
     if config.auto_split:
         num_stages = len(config.placement) if config.placement is not None else num_ranks
         return (), auto_split(
             model,
             num_stages,
-            example_inputs=example_inputs,
             num_microbatches=config.num_microbatches,
             placement=config.placement,
             concrete_args=concrete_args,
             leaf_modules=config.leaf_modules,
+            **traced,
         )
     split_points = _split_points(model, config, num_ranks)
-    return split_points, split_model(model, split_points, config.placement, concrete_args)
+    graph = split_model(model, split_points, config.placement, concrete_args, **traced)
+    return split_points, graph
 
 
 def _with_layout(config: PipelineConfig, num_ranks: int) -> PipelineConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,7 +141,10 @@ _MODE_ARGUMENTS: dict[Any, int] = {
 def _bind_training_flags(module: fx.GraphModule) -> None:
     graph = module.graph
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first):
+    with graph.inserting_before(first), warnings.catch_warnings():
+        # fx warns for attributes that are not parameters, buffers or modules; `training` is
+        # the module flag itself, which every GraphModule has
+        warnings.simplefilter("ignore", UserWarning)
         training = graph.get_attr("training")
     for node in list(graph.nodes):
         index = _MODE_ARGUMENTS.get(node.target)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
 
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
 from conveyor.split.frontend import Traced
@@ -152,7 +152,19 @@ def _stage_module(
     if traced.output_spec is not None:
         setattr(root, _OUTPUT_SPEC, traced.output_spec)
     module = fx.GraphModule(root, stage_graph, class_name=f"Stage{index}")
+    _keep_buffers_unsaved(module, root)
     return module, inputs
+
+
+def _keep_buffers_unsaved(module: fx.GraphModule, root: nn.Module) -> None:
+    """Buffers the model does not save (a rotary table, position ids) stay unsaved in the
+    stage: fx.GraphModule registers every buffer it copies as saved, so the stage's
+    state_dict would hold keys the model's does not."""
+    saved = set(root.state_dict(keep_vars=True))
+    for name, buffer in list(module.named_buffers()):
+        if name not in saved:
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
 
 
 _OUTPUT_SPEC = "_conveyor_output_spec"

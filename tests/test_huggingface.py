@@ -1,0 +1,114 @@
+"""Hugging Face models, unedited, split through torch.export: the model's own loss (token-level,
+with padding and -100 labels), and every gradient, equal plain training on the full batch.
+
+Models come from small configs built in the test (nothing is downloaded); dropout is off, so
+the plain reference can run the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from dist import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+VOCAB = 96
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def t5() -> nn.Module:
+    config = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, d_kv=8, num_heads=4,
+        vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def text_batch(masked_lm: bool = False) -> dict[str, torch.Tensor]:
+    """8 sequences of 12 tokens, some padded (mask 0, label -100), uneven across micro-batches."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (8, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = mask[2, 3:] = mask[6, 10:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if masked_lm:  # a masked LM predicts a few positions only
+        keep = torch.rand(ids.shape, generator=generator) < 0.3
+        labels = labels.masked_fill(~keep, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def check_against_plain(
+    pipe: conveyor.Pipeline, plain: nn.Module, batch: dict[str, torch.Tensor]
+) -> None:
+    """The pipeline's loss and every gradient on this rank equal the plain model's on the
+    whole batch."""
+    loss = pipe.step(batch)
+    expected = plain(**batch).loss
+    expected.backward()
+    if pipe.rank == pipe.graph.rank_of(pipe.graph.sink):
+        assert loss is not None
+        torch.testing.assert_close(loss, expected.detach())
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    names = [name for name, _ in pipe.named_parameters()]
+    assert names
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(
+            parameter.grad, reference[name].grad, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    plain.zero_grad()
+
+
+def _language_models(rank: int, world_size: int) -> None:
+    cases: list[tuple[Any, dict[str, Any], bool]] = [
+        (gpt2, {"split_points": ["transformer.h.2"], "schedule": "1f1b"}, False),
+        (gpt2, {"split_points": ["transformer.h.2"], "schedule": "zb-h1"}, False),
+        (llama, {"split_points": ["model.layers.2"], "schedule": "1f1b"}, False),
+        (bert, {"split_points": ["bert.encoder.layer.2"], "schedule": "zb-h1"}, True),
+    ]
+    for build, options, masked_lm in cases:
+        torch.manual_seed(0)
+        model = build()
+        plain = copy.deepcopy(model)
+        batch = text_batch(masked_lm)
+        pipe = conveyor.Pipeline(
+            model, num_microbatches=4, example_inputs=batch, timeout_s=30, **options
+        )
+        check_against_plain(pipe, plain, batch)
+
+
+def test_language_models_train_as_plain_on_two_ranks(tmp_path: Path) -> None:
+    run_ranks(_language_models, tmp_path, 2, timeout_s=400)
