@@ -112,3 +112,106 @@ def _language_models(rank: int, world_size: int) -> None:
 
 def test_language_models_train_as_plain_on_two_ranks(tmp_path: Path) -> None:
     run_ranks(_language_models, tmp_path, 2, timeout_s=400)
+
+
+def _seq2seq(rank: int, world_size: int) -> None:
+    # a graph pipeline: the encoder's output feeds both decoder stages directly
+    torch.manual_seed(0)
+    model = t5()
+    plain = copy.deepcopy(model)
+    batch = text_batch()
+    batch["labels"] = batch["labels"][:, :7].contiguous()  # a shorter target than the source
+    modules = (
+        "shared,encoder",
+        "decoder.block.0",
+        "decoder.block.1,decoder.final_layer_norm,lm_head",
+    )
+    pipe = conveyor.Pipeline(
+        model,
+        stage_modules=modules,
+        schedule="graph-1f1b",
+        num_microbatches=4,
+        example_inputs=batch,
+        timeout_s=60,
+    )
+    assert set(pipe.graph.consumers(0)) == {1, 2}
+    check_against_plain(pipe, plain, batch)
+
+
+def test_an_encoder_decoder_trains_as_a_graph_pipeline(tmp_path: Path) -> None:
+    run_ranks(_seq2seq, tmp_path, 3, timeout_s=400)
+
+
+def vit() -> nn.Module:
+    config = transformers.ViTConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        image_size=16, patch_size=4, num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def resnet() -> nn.Module:
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16], depths=[1, 1, 1], num_labels=5
+    )
+    return transformers.ResNetForImageClassification(config)
+
+
+def image_batch() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    pixels = torch.randn(8, 3, 16, 16, generator=generator)
+    return {"pixel_values": pixels, "labels": torch.randint(0, 5, (8,), generator=generator)}
+
+
+def check_microbatched(
+    pipe: conveyor.Pipeline, plain: nn.Module, batch: dict[str, torch.Tensor]
+) -> None:
+    """Against plain training micro-batch by micro-batch (batch norm sees micro-batches):
+    losses weighted by their share of the samples, gradients and running statistics."""
+    loss = pipe.step(batch)
+    m = pipe.config.num_microbatches
+    expected = torch.zeros(())
+    chunks = [dict(zip(batch, values, strict=True)) for values in
+              zip(*(v.tensor_split(m) for v in batch.values()), strict=True)]  # fmt: skip
+    for chunk in chunks:
+        weighted = plain(**chunk).loss * (len(chunk["labels"]) / len(batch["labels"]))
+        weighted.backward()
+        expected += weighted.detach()
+    if pipe.rank == pipe.graph.rank_of(pipe.graph.sink):
+        assert loss is not None
+        torch.testing.assert_close(loss, expected)
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
+    buffers = dict(plain.named_buffers())
+    for name, buffer in pipe.state_dict().items():
+        if "running" in name:
+            torch.testing.assert_close(buffer, buffers[name], msg=name)
+    plain.zero_grad()
+
+
+def _vision(rank: int, world_size: int) -> None:
+    for build, options in [
+        (resnet, {"auto_split": True}),
+        (resnet, {"split_points": ["resnet.encoder.stages.1"]}),
+        (vit, {"split_points": ["vit.layers.2"], "schedule": "zb-h1"}),
+    ]:
+        torch.manual_seed(0)
+        model = build()
+        plain = copy.deepcopy(model)
+        batch = image_batch()
+        pipe = conveyor.Pipeline(
+            model, num_microbatches=4, example_inputs=batch, timeout_s=60, **options
+        )
+        check_microbatched(pipe, plain, batch)
+        pipe.eval()  # batch norm on its running statistics, as the plain model in eval mode
+        output = pipe(batch)
+        if output is not None:
+            expected = plain.eval()(**batch)
+            assert type(output) is type(expected)
+            torch.testing.assert_close(output.logits, expected.logits)
+
+
+def test_vision_models_train_as_plain(tmp_path: Path) -> None:
+    run_ranks(_vision, tmp_path, 2, timeout_s=400)

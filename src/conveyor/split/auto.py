@@ -192,8 +192,11 @@ def _measure(
             sizes[n] = float(sum(t.numel() * t.element_size() for t in tensors))
             return result
 
+    buffers = {name: b.clone() for name, b in traced.root.named_buffers() if not b.is_meta}
     with torch.no_grad():
         _Counting(module).run(*args)
+        for name, value in buffers.items():  # measuring must not move batch norm statistics
+            traced.root.get_buffer(name).copy_(value)
     return weights, sizes
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,9 @@ class ExportedInputs:
     """The example's tensor inputs, by parameter name: the graph's placeholders."""
     constants: Mapping[str, Any]
     """The example's other inputs (flags, sizes): baked into the graph, so a batch must
-    repeat them."""
+    repeat them, or leave out those conveyor added (``added``)."""
+    added: Mapping[str, Any]
+    """Inputs conveyor passed itself (``use_cache=False``), filled in when a batch omits them."""
     fixed: Mapping[str, Mapping[int, int]]
     """Sizes the export could not leave dynamic (e.g. an image's channels), by input and
     dimension."""
@@ -55,7 +56,7 @@ class ExportedInputs:
             ValueError: the batch gives other inputs than the example did, or another value
                 for an input the export baked in.
         """
-        given = _bind(self.signature, batch)
+        given = {**self.added, **_bind(self.signature, batch)}
         wanted = set(self.tensors) | set(self.constants)
         if set(given) != wanted:
             raise ValueError(
@@ -93,7 +94,8 @@ def export_model(
             user code, and what to do.
     """
     signature = inspect.signature(model.forward)
-    given = _bind(signature, example_inputs)
+    added = _training_inputs(model, signature)
+    given = {**added, **_bind(signature, example_inputs)}
     tensors = {k: v for k, v in given.items() if isinstance(v, torch.Tensor)}
     constants = {k: v for k, v in given.items() if not isinstance(v, torch.Tensor)}
     if any(pytree.tree_leaves(v) and not _is_plain(v) for v in constants.values()):
@@ -101,20 +103,20 @@ def export_model(
             f"example inputs {sorted(constants)} of {type(model).__name__} hold nested "
             "tensors; pass tensors as top-level inputs (a dict of tensors by parameter name)"
         )
-    dynamic = {name: {d: Dim.AUTO for d in range(t.dim())} for name, t in tensors.items()}
-    with _cache_off(model):
-        try:
-            exported = torch.export.export(
-                model, (), {**tensors, **constants}, dynamic_shapes=dynamic, strict=False
-            )
-        except Exception as error:
-            raise TypeError(_export_failure(model, error)) from error
+    dynamic: dict[str, Any] = {name: None for name in constants}
+    dynamic.update({name: {d: Dim.AUTO for d in range(t.dim())} for name, t in tensors.items()})
+    try:
+        exported = torch.export.export(
+            model, (), {**tensors, **constants}, dynamic_shapes=dynamic, strict=False
+        )
+    except Exception as error:
+        raise TypeError(_export_failure(model, error)) from error
     module = exported.module()
     _drop_guards(module)
     _bind_training_flags(module)
     module.recompile()
     inputs = ExportedInputs(
-        signature, tensors, constants, _fixed_sizes(module), type(model).__name__
+        signature, tensors, constants, added, _fixed_sizes(module), type(model).__name__
     )
     return module, inputs, exported.call_spec.out_spec
 
@@ -194,23 +196,15 @@ def _drop_guards(module: fx.GraphModule) -> None:
     module.graph.eliminate_dead_code()
 
 
-@contextmanager
-def _cache_off(model: nn.Module) -> Iterator[None]:
-    """Export without a key/value cache: a model that keeps one (``config.use_cache``) would
-    return it from every forward, which training does not use."""
-    config = getattr(model, "config", None)
-    if config is None or not getattr(config, "use_cache", False):
-        yield
-        return
+def _training_inputs(model: nn.Module, signature: inspect.Signature) -> dict[str, Any]:
+    """``use_cache=False`` for a model whose forward takes it: a key/value cache serves
+    generation, and a forward that returned one would ship it through the pipeline."""
+    if "use_cache" not in signature.parameters:
+        return {}
     logger.info(
-        "splitting %s with use_cache=False (its key/value cache serves generation, not training)",
-        type(model).__name__,
+        "splitting %s with use_cache=False (no key/value cache in training)", type(model).__name__
     )
-    config.use_cache = False
-    try:
-        yield
-    finally:
-        config.use_cache = True
+    return {"use_cache": False}
 
 
 def _bind(signature: inspect.Signature, batch: Any) -> dict[str, Any]:
