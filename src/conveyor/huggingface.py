@@ -13,7 +13,7 @@ those counts (conveyor.runtime.loss).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,14 @@ from torch import nn
 
 from conveyor.runtime.loss import counted_tokens
 
-__all__ = ["LABELS", "is_transformers_model", "label_counts", "model_loss", "takes_labels"]
+__all__ = [
+    "LABELS",
+    "initializer",
+    "is_transformers_model",
+    "label_counts",
+    "model_loss",
+    "takes_labels",
+]
 
 LABELS = "labels"
 """The input by which a model that computes its own loss receives its targets."""
@@ -47,6 +54,34 @@ def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
             "batch (a model that computes its own loss needs them) or a loss_fn to Pipeline"
         )
     return loss
+
+
+def initializer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """How ``model``'s modules initialize the tensors they own (conveyor.weights): transformers'
+    ``_init_weights`` of the nearest ``PreTrainedModel`` around a module (weights, norms,
+    rotary tables, position ids), else the module's ``reset_parameters`` (or
+    ``_reset_parameters``, as nn.MultiheadAttention names it)."""
+
+    def initialize(name: str, module: nn.Module) -> bool:
+        path = name
+        while True:
+            around = model.get_submodule(path)
+            init_weights = getattr(around, "_init_weights", None)
+            if is_transformers_model(around) and callable(init_weights):
+                init_weights(module)
+                return True
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+        reset = getattr(module, "reset_parameters", None) or getattr(
+            module, "_reset_parameters", None
+        )
+        if callable(reset):
+            reset()
+            return True
+        return False
+
+    return initialize
 
 
 def shifts_labels(model: nn.Module) -> bool:

@@ -8,6 +8,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.config import PipelineConfig, resolve
+from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
-from conveyor.huggingface import LABELS, label_counts, model_loss, takes_labels
+from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
@@ -24,7 +26,7 @@ from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.tied import TiedWeights, find_ties
+from conveyor.runtime.tied import Tie, TiedWeights, find_ties
 from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
 from conveyor.simulator import simulate
 from conveyor.split import (
@@ -36,6 +38,7 @@ from conveyor.split import (
 )
 from conveyor.split.auto import auto_split
 from conveyor.trace import Recorder, Timeline, merge
+from conveyor.weights import WeightFiles, materialize, save_stage_files, write_index
 
 __all__ = ["Pipeline"]
 
@@ -67,6 +70,7 @@ class Pipeline:
         concrete_args: dict[str, Any] | None = None,
         plan: str | os.PathLike[str] | None = None,
         example_inputs: Any = None,
+        weights: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -116,10 +120,8 @@ class Pipeline:
         )
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
-        self.stages = {
-            s: _materialize(self.graph.stages[s].module, self.device)
-            for s in self.graph.stages_on(self.rank)
-        }
+        self.stages = self._materialize(ties, weights)
+        self._tied_names = ties
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
@@ -141,6 +143,64 @@ class Pipeline:
             self._start_trace(p2p)
         if self.rank == 0:
             logger.info("%s", self.describe())
+
+    def _materialize(
+        self, ties: list[Tie], weights: str | os.PathLike[str] | None
+    ) -> dict[int, nn.Module]:
+        """This rank's stages on its device: meta tensors allocated and read from ``weights``
+        or initialized by the model's own modules (conveyor.weights)."""
+        model = self._model if isinstance(self._model, nn.Module) else None
+        files = WeightFiles(weights) if weights is not None else None
+        aliases = {name: [n for _, n in tie.users if n != name] for tie in ties
+                   for _, name in tie.users}  # fmt: skip
+        stages = {}
+        for s in self.graph.stages_on(self.rank):
+            module = self.graph.stages[s].module
+            assert module is not None
+            stages[s] = materialize(
+                module,
+                self.device,
+                initialize=initializer(model) if model is not None else initializer(module),
+                owners=model,
+                files=files,
+                aliases=aliases,
+            )
+        return stages
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the whole model's weights to ``directory`` (collective): each rank writes its
+        stages' tensors as one safetensors shard, under the model's own names (a tied weight
+        once), and rank 0 the index and, for a transformers model, its config, so that
+        ``from_pretrained(directory)`` (or ``load_file`` + ``load_state_dict``) reads it."""
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        shard = save_stage_files(self._own_tensors(), target, self.rank, self.num_ranks)
+        shards: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(shards, shard, group=self.group)
+        if self.rank == 0:
+            config = getattr(self._model, "config", None)
+            if config is not None and hasattr(config, "to_json_string"):
+                write_atomic(target / "config.json", config.to_json_string())
+            write_index(target, shards)
+        dist.barrier(group=self.group)
+        return target
+
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's state_dict without the names of tied weights another rank writes, or
+        that are another name of a tensor this rank writes."""
+        state: dict[str, torch.Tensor] = {}
+        written: set[tuple[int, tuple[int, ...]]] = set()
+        for name, tensor in self.state_dict().items():
+            where = (tensor.data_ptr(), tuple(tensor.shape))
+            if where not in written:  # one tensor under two names in one stage: once
+                written.add(where)
+                state[name] = tensor
+        for tie in self._tied_names:
+            for _, name in tie.users[1:]:
+                state.pop(name, None)
+            if self.graph.rank_of(tie.users[0][0]) != self.rank:
+                state.pop(tie.name, None)
+        return state
 
     # -- running ---------------------------------------------------------------------------
 
@@ -434,30 +494,6 @@ def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> t
         else:
             split_points = ()
     return tuple(split_points)
-
-
-def _materialize(module: nn.Module | None, device: torch.device) -> nn.Module:
-    """Move a stage to ``device``; a stage on the meta device is allocated and initialized
-    there with each submodule's ``reset_parameters`` (load a state_dict for other values)."""
-    assert module is not None
-    tensors = list(module.parameters()) + list(module.buffers())
-    if not any(t.is_meta for t in tensors):
-        return module.to(device)
-    module.to_empty(device=device)
-    uninitialized = []
-    for name, sub in module.named_modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        elif any(True for _ in sub.parameters(recurse=False)):
-            uninitialized.append(name)
-    if uninitialized:
-        logger.warning(
-            "modules %s have no reset_parameters(); their parameters are "
-            "uninitialized until you call Pipeline.load_state_dict",
-            uninitialized,
-        )
-    return module
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
