@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from conveyor.config import PipelineConfig, resolve
 from conveyor.files import write_atomic
@@ -37,6 +37,8 @@ from conveyor.split import (
     split_model,
 )
 from conveyor.split.auto import auto_split
+from conveyor.split.export import place_on
+from conveyor.split.stages import EXPORTED
 from conveyor.trace import Recorder, Timeline, merge
 from conveyor.weights import WeightFiles, materialize, save_stage_files, write_index
 
@@ -157,6 +159,8 @@ class Pipeline:
         for s in self.graph.stages_on(self.rank):
             module = self.graph.stages[s].module
             assert module is not None
+            if isinstance(module, fx.GraphModule) and module.meta.get(EXPORTED):
+                place_on(module, self.device)
             stages[s] = materialize(
                 module,
                 self.device,

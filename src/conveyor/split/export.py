@@ -23,7 +23,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 
-from conveyor.split.tracing import where
+from conveyor.split.tracing import module_path, where, within
 from conveyor.torch_compat import pytree
 
 __all__ = ["ExportedInputs", "export_model"]
@@ -112,6 +112,7 @@ def export_model(
     except Exception as error:
         raise TypeError(_export_failure(model, error)) from error
     module = exported.module()
+    _name_by_user(module, model)
     _drop_guards(module)
     _bind_training_flags(module)
     module.recompile()
@@ -185,6 +186,85 @@ def _fixed_sizes(module: fx.GraphModule) -> dict[str, dict[int, int]]:
                 d: int(size) for d, size in enumerate(value.shape) if isinstance(size, int)
             }
     return fixed
+
+
+def _name_by_user(module: fx.GraphModule, model: nn.Module) -> None:
+    """Give a tensor the model knows by several names (tied weights) the name of the module
+    that uses it, at each use: export keeps one name per tensor, so the embedding of a model
+    whose output projection is tied to it would otherwise be called ``lm_head.weight`` in the
+    first stage. A stage then holds the tensor under the plain model's name for what it runs."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:  # fmt: skip
+        names.setdefault(id(tensor), []).append(name)
+    graph = module.graph
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        aliases = names.get(id(getattr_path(module, str(node.target))), [])
+        if len(aliases) < 2:
+            continue
+        tensor = getattr_path(module, str(node.target))
+        for user in list(node.users):
+            name = _alias_for(aliases, module_path(user)) or str(node.target)
+            if name == node.target:
+                continue
+            if not _has_attr(module, name):
+                owner, _, leaf = name.rpartition(".")
+                holder = _ensure_module(module, owner)
+                if isinstance(tensor, nn.Parameter):
+                    holder.register_parameter(leaf, tensor)
+                else:
+                    holder.register_buffer(leaf, tensor)
+            with graph.inserting_before(node):
+                renamed = graph.get_attr(name)
+            user.replace_input_with(node, renamed)
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _alias_for(aliases: list[str], path: str) -> str | None:
+    """The alias owned by the innermost module around ``path``."""
+    owned = [a for a in aliases if within(path, a.rpartition(".")[0]) or not a.count(".")]
+    return max(owned, key=lambda a: a.count("."), default=None)
+
+
+def getattr_path(module: nn.Module, path: str) -> Any:
+    value: Any = module
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _has_attr(module: nn.Module, path: str) -> bool:
+    try:
+        getattr_path(module, path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _ensure_module(module: nn.Module, path: str) -> nn.Module:
+    """The submodule at ``path``, made (as an empty container) where missing."""
+    for part in [p for p in path.split(".") if p]:
+        if part not in dict(module.named_children()):
+            module.add_module(part, nn.Module())
+        module = module.get_submodule(part)
+    return module
+
+
+def place_on(module: fx.GraphModule, device: torch.device) -> None:
+    """Make an exported stage run on ``device``: export records the device the model was on
+    (the meta device, or a CPU) wherever the model's code names one (``arange(device=...)``,
+    ``.to(x.device)``); every such constant becomes ``device``."""
+
+    def on(value: Any) -> Any:
+        return device if isinstance(value, torch.device) else value
+
+    for graph_module in module.modules():  # nested graphs too (autocast and no_grad blocks)
+        if isinstance(graph_module, fx.GraphModule):
+            for node in graph_module.graph.nodes:
+                node.args = fx.node.map_aggregate(node.args, on)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, on)
+            graph_module.recompile()
 
 
 def _drop_guards(module: fx.GraphModule) -> None:

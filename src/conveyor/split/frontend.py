@@ -24,18 +24,15 @@ from torch import fx, nn
 
 from conveyor.split.export import export_model
 from conveyor.split.inputs import bind_inputs
-from conveyor.split.tracing import trace_graph
+from conveyor.split.tracing import NO_MODULE, module_path, trace_graph, within
 from conveyor.torch_compat import pytree
 
-__all__ = ["Traced", "Tracer", "module_path", "trace"]
+__all__ = ["NO_MODULE", "Traced", "Tracer", "module_path", "trace", "within"]
 
 logger = logging.getLogger(__name__)
 
 Tracer = Literal["auto", "fx", "export"]
 TRACERS: tuple[Tracer, ...] = ("auto", "fx", "export")
-
-NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
-"""The module path torch.export records for code outside every module."""
 
 
 @dataclass(frozen=True)
@@ -101,19 +98,3 @@ def _exported(model: nn.Module, example_inputs: Any) -> Traced:
         )
     module, inputs, output_spec = export_model(model, example_inputs)
     return Traced(module.graph, module, inputs.bind, output_spec, "export")
-
-
-def module_path(node: fx.Node) -> str:
-    """Qualified name of the innermost submodule that runs ``node`` ("" for the model's own
-    code): the called module for an fx ``call_module``, else the module stack the tracer
-    recorded."""
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [path for path, _ in stack.values() if path and path != NO_MODULE]
-    return paths[-1] if paths else ""
-
-
-def within(path: str, prefix: str) -> bool:
-    """Whether submodule ``path`` is ``prefix`` or inside it."""
-    return path == prefix or path.startswith(prefix + ".")

@@ -15,7 +15,7 @@ from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
 from conveyor.split.frontend import Traced
 from conveyor.torch_compat import pytree
 
-__all__ = ["build_stage_graph"]
+__all__ = ["EXPORTED", "build_stage_graph"]
 
 
 def place_attributes(graph: fx.Graph, assignment: dict[fx.Node, int], num_stages: int) -> None:
@@ -152,6 +152,7 @@ def _stage_module(
     if traced.output_spec is not None:
         setattr(root, _OUTPUT_SPEC, traced.output_spec)
     module = fx.GraphModule(root, stage_graph, class_name=f"Stage{index}")
+    module.meta[EXPORTED] = traced.method == "export"
     _keep_buffers_unsaved(module, root)
     return module, inputs
 
@@ -166,6 +167,9 @@ def _keep_buffers_unsaved(module: fx.GraphModule, root: nn.Module) -> None:
             owner, _, leaf = name.rpartition(".")
             module.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
 
+
+EXPORTED = "conveyor_exported"
+"""Key of a stage module's ``meta``: True if it was cut from a torch.export graph."""
 
 _OUTPUT_SPEC = "_conveyor_output_spec"
 """Attribute of an exported stage that holds the model output's pytree structure."""

@@ -159,3 +159,23 @@ def where(error: BaseException) -> str:
         return ""
     frame = frames[-1]
     return f" (at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line})"
+
+
+NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+"""The module path torch.export records for code outside every module."""
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost submodule that runs ``node`` ("" for the model's own
+    code): the called module for an fx ``call_module``, else the module stack the tracer
+    recorded."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values() if path and path != NO_MODULE]
+    return paths[-1] if paths else ""
+
+
+def within(path: str, prefix: str) -> bool:
+    """Whether submodule ``path`` is ``prefix`` or inside it."""
+    return path == prefix or path.startswith(prefix + ".")
