@@ -215,3 +215,36 @@ def _vision(rank: int, world_size: int) -> None:
 
 def test_vision_models_train_as_plain(tmp_path: Path) -> None:
     run_ranks(_vision, tmp_path, 2, timeout_s=400)
+
+
+def _four_ranks_with_dropout(rank: int, world_size: int) -> None:
+    # dropout on: each micro-batch draws the masks plain training draws when seeded the same
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.2
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    plain = copy.deepcopy(model)
+    batch = text_batch()
+    points = ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+    pipe = conveyor.Pipeline(model, split_points=points, num_microbatches=4, example_inputs=batch)
+    loss = pipe.step(batch)
+    chunks = [dict(zip(batch, values, strict=True)) for values in
+              zip(*(v.tensor_split(4) for v in batch.values()), strict=True)]  # fmt: skip
+    counted = [int((c["labels"][:, 1:] != -100).sum()) for c in chunks]
+    expected = torch.zeros(())
+    for k, chunk in enumerate(chunks):
+        torch.manual_seed(conveyor.microbatch_seed(0, 0, k))
+        weighted = plain(**chunk).loss * (counted[k] / sum(counted))
+        weighted.backward()
+        expected += weighted.detach()
+    if rank == 3:
+        assert loss is not None
+        torch.testing.assert_close(loss, expected)
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
+
+
+def test_four_ranks_draw_plain_trainings_dropout_masks(tmp_path: Path) -> None:
+    run_ranks(_four_ranks_with_dropout, tmp_path, 4, timeout_s=400)

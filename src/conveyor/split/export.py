@@ -323,8 +323,28 @@ def _check_tensor(name: str, value: Any, example: torch.Tensor, model_name: str)
 
 
 def _export_failure(model: nn.Module, error: BaseException) -> str:
-    text = " ".join(str(error).split())
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    inside = _failing_module(model, error)
+    name = f" in module {inside!r} ({type(model.get_submodule(inside)).__name__})" if inside else ""
+    around = repr(inside) if inside else "that code"
     return (
-        f"cannot split {type(model).__name__}: torch.export could not trace it{where(error)}: "
-        f"{type(error).__name__}: {text[:600]}"
+        f"cannot split {type(model).__name__}: torch.export could not trace it{name}"
+        f"{where(error)}: {type(error).__name__}: {first[:300]}. torch.export needs the whole "
+        "forward traceable: rewrite that code without Python branches on tensor values "
+        "(if x.sum() > 0, .item(), .tolist()); or, if torch.fx can trace the model around "
+        f"{around}, split with tracer='fx' and split points or stage_modules that keep it whole "
+        "(torch.fx never traces inside a module without a cut)"
     )
+
+
+def _failing_module(model: nn.Module, error: BaseException) -> str:
+    """Qualified name of the innermost submodule of ``model`` whose forward was running."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = ""
+    frame = error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if id(owner) in names and names[id(owner)]:
+            found = names[id(owner)]
+        frame = frame.tb_next
+    return found

@@ -80,10 +80,12 @@ def trace(
                 f"{error}. Or pass example_inputs=<a batch as step() takes it> to split "
                 "through torch.export, which traces what torch.fx cannot"
             ) from error
+        cause = error.__cause__ or error
         logger.info(
-            "torch.fx cannot trace %s (%s); splitting it through torch.export",
+            "torch.fx cannot trace %s (%s: %s); splitting it through torch.export",
             type(model).__name__,
-            str(error).split(":", 2)[-1].strip()[:200],
+            type(cause).__name__,
+            str(cause).strip().splitlines()[0][:120] if str(cause).strip() else "",
         )
         return _exported(model, example_inputs)
     binder = functools.partial(bind_inputs, model)
