@@ -58,10 +58,12 @@ def t5() -> nn.Module:
     return transformers.T5ForConditionalGeneration(config)
 
 
-def text_batch(masked_lm: bool = False) -> dict[str, torch.Tensor]:
+def text_batch(
+    masked_lm: bool = False, shape: tuple[int, int] = (8, 12)
+) -> dict[str, torch.Tensor]:
     """8 sequences of 12 tokens, some padded (mask 0, label -100), uneven across micro-batches."""
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (8, 12), generator=generator)
+    ids = torch.randint(1, VOCAB, shape, generator=generator)
     mask = torch.ones_like(ids)
     mask[1, 9:] = mask[2, 3:] = mask[6, 10:] = 0
     labels = ids.masked_fill(mask == 0, -100)
@@ -89,6 +91,7 @@ def check_against_plain(
         torch.testing.assert_close(
             parameter.grad, reference[name].grad, msg=lambda m, n=name: f"{n}: {m}"
         )
+        parameter.grad = None
     plain.zero_grad()
 
 
@@ -108,6 +111,11 @@ def _language_models(rank: int, world_size: int) -> None:
             model, num_microbatches=4, example_inputs=batch, timeout_s=30, **options
         )
         check_against_plain(pipe, plain, batch)
+    # the batch and sequence dimensions stayed dynamic: another shape runs, as plain
+    check_against_plain(pipe, plain, text_batch(masked_lm, shape=(12, 7)))
+    without_mask = {k: v for k, v in batch.items() if k != "attention_mask"}
+    with pytest.raises(ValueError, match=r"example inputs \['attention_mask', 'input_ids'"):
+        pipe.step(without_mask)
 
 
 def test_language_models_train_as_plain_on_two_ranks(tmp_path: Path) -> None:
