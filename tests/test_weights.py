@@ -15,6 +15,7 @@ from dist import run_ranks
 from test_huggingface import VOCAB, gpt2, text_batch
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -39,6 +40,15 @@ def _round_trip(rank: int, world_size: int, directory: str) -> None:
             torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
         # the tied output projection is the trained embedding, as in the pipeline
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+        # and a plain load_state_dict of the shards' union gives the same model
+        plain = gpt2()
+        shards = sorted(Path(directory).glob("*.safetensors"))
+        assert len(shards) == world_size, shards
+        read = {k: v for shard in shards for k, v in safetensors_torch.load_file(shard).items()}
+        missing, unexpected = plain.load_state_dict(read, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        for name, tensor in plain.state_dict().items():
+            torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
 
 
 def test_a_trained_pipeline_saves_what_from_pretrained_reads(tmp_path: Path) -> None:
