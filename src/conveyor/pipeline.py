@@ -332,7 +332,8 @@ class Pipeline:
         """Each micro-batch's weight in the step's loss (conveyor.runtime.loss): by what its
         loss averages over."""
         reduction = self.config.loss_reduction
-        if self.loss_fn is None and isinstance(self._model, nn.Module):  # the model's own loss
+        own_loss = self.loss_fn is None and chunks and chunks[0].get(LABELS) is not None
+        if own_loss and isinstance(self._model, nn.Module):  # the model's own loss
             counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks])
             return loss_weights("sum" if reduction == "sum" else "mean", counts)
         if reduction == "token_mean" and targets is not None:
