@@ -359,7 +359,7 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
     pipe = conveyor.Pipeline(model, num_microbatches=2.0, loss_fn=F.mse_loss)
     assert pipe.config.num_microbatches == 2
     x = torch.randn(4, 8, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"to pass one tuple .* pipe\.forward\(\(\(a, b\),\)\)"):
+    with pytest.raises(ValueError, match=r"to pass one tuple .* pipe\.forward\(\(\(a, b\),\)\)"):
         pipe.forward((x, x))
     with pytest.raises(
         ValueError, match=r"model inputs\['input'\] of shape \(4, 8\) is on the meta"

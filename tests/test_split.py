@@ -57,7 +57,7 @@ def test_balance_must_cover_every_layer() -> None:
 def test_inputs_that_do_not_bind_say_how_to_pass_a_tuple() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     a, b = torch.ones(1, 2), torch.zeros(1, 2)
-    with pytest.raises(TypeError, match=r"a tuple of 2 values .* pipe\.forward\(\(\(a, b\),\)\)"):
+    with pytest.raises(ValueError, match=r"a tuple of 2 values .* pipe\.forward\(\(\(a, b\),\)\)"):
         bind_inputs(model, (a, b))
     assert bind_inputs(model, ((a, b),)) == {"input": (a, b)}
 

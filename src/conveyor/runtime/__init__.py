@@ -7,10 +7,9 @@ per action kind), ``comm`` (point-to-point transport of pytrees; PeerLostError),
 ``memory`` (activation accounting), ``batchnorm`` (deferred batch norm), ``tied`` (weights
 shared across ranks), ``host_memory`` (keeping freed memory), ``faults`` (fault injection
 for recovery tests), ``fingerprint`` (every rank's batch compared before a step),
-``materialize`` (stages built on the meta device), ``input_grads`` (gradients of model inputs
-read on several ranks), ``inplace`` (stage inputs written in place) and ``stage_errors``
-(errors raised inside a stage). Users reach what they need through ``conveyor`` and
-``Pipeline``.
+``input_grads`` (gradients of model inputs read on several ranks), ``inplace`` (stage inputs
+written in place) and ``stage_errors`` (errors raised inside a stage). Users reach what they
+need through ``conveyor`` and ``Pipeline``.
 """
 
 __all__: list[str] = []

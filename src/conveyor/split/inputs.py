@@ -14,7 +14,7 @@ from torch import nn
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
 
-__all__ = ["bind_inputs", "run_stages"]
+__all__ = ["bind_error", "bind_inputs", "run_stages"]
 
 
 def run_stages(graph: StageGraph, inputs: Mapping[str, Any]) -> Any:
@@ -43,8 +43,11 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
     """Map a batch to the model's forward parameters: a tensor (the first argument), a tuple or
     list (positional arguments) or a dict (keyword arguments). Defaults fill the rest.
 
-    For a StageGraph, the names are its ``model_inputs`` and every one must be given.
+    For a StageGraph, its own binder (the split's) if it has one; else the names are its
+    ``model_inputs`` and every one must be given.
     """
+    if isinstance(model, StageGraph) and model.binder is not None:
+        return model.binder(inputs)
     if isinstance(model, StageGraph):
         names = model.model_inputs
         if isinstance(inputs, dict):
@@ -71,15 +74,15 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
         else:
             bound = signature.bind(inputs)
     except TypeError as error:
-        raise TypeError(_bind_error(model, signature, inputs, error)) from error
+        raise ValueError(
+            bind_error(f"{type(model).__name__}.forward", signature, inputs, error)
+        ) from error
     bound.apply_defaults()
     return dict(bound.arguments)
 
 
-def _bind_error(
-    model: nn.Module, signature: inspect.Signature, inputs: Any, error: TypeError
-) -> str:
-    """What was passed, what forward takes, and how to pass it."""
+def bind_error(name: str, signature: inspect.Signature, inputs: Any, error: TypeError) -> str:
+    """What was passed to the forward ``name``, what it takes, and how to pass it."""
     kind = type(inputs).__name__
     if isinstance(inputs, dict | tuple | list):
         given = (
@@ -93,5 +96,9 @@ def _bind_error(
             f"pipe.forward({example})"
         )
     else:
-        given, fix = f"one {kind}", ""
-    return f"cannot pass {given} to {type(model).__name__}.forward{signature}: {error}{fix}"
+        given = f"one {kind}"
+        fix = "; pass a tensor (the first input), a tuple (positional inputs) or a dict by name"
+    return (
+        f"{name} takes model inputs {list(signature.parameters)}; cannot pass {given} to it "
+        f"({error}){fix}"
+    )

@@ -1,5 +1,6 @@
-"""Meta-device materialization (conveyor.runtime.materialize): torch's own initializers run,
-children before parents, and whatever nothing initialized is named until something does."""
+"""Meta-device materialization (conveyor.weights, conveyor.uninitialized): torch's own
+initializers run, children before parents, and whatever nothing initialized is named until
+something does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.runtime.materialize import Unset, materialize
+from conveyor.huggingface import initializer
+from conveyor.uninitialized import Unset
+from conveyor.weights import materialize
 
 CPU = torch.device("cpu")
 
@@ -32,7 +35,7 @@ def _built_on_meta() -> tuple[Block, Unset]:
     with torch.device("meta"):
         block = Block()
     unset = Unset()
-    materialize(block, CPU, unset)
+    materialize(block, CPU, initialize=initializer(block), unset=unset)
     return block, unset
 
 
@@ -46,7 +49,7 @@ def test_torch_initializers_run_and_the_rest_is_named() -> None:
     assert unset.names() == ["scale", "steps", "mask", "window"]  # bool has no sentinel
     problem = unset.problem("rank 0 (stage 0)")
     assert problem.startswith("rank 0 (stage 0): [scale, steps, mask, window] were built on")
-    assert "their modules, Block, have no reset_parameters()" in problem
+    assert "their modules, Block, have no initializer that sets them" in problem
     assert "non-persistent buffers [mask, window] are in no state_dict" in problem
 
 
@@ -64,7 +67,7 @@ def test_a_model_on_a_real_device_is_only_moved() -> None:
     block = Block()
     before = copy.deepcopy(block.state_dict())
     unset = Unset()
-    assert materialize(block, CPU, unset) is block
+    assert materialize(block, CPU, initialize=initializer(block), unset=unset) is block
     assert unset.names() == []
     assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
 
@@ -75,7 +78,14 @@ def test_sentinels_mark_every_numeric_dtype(dtype: torch.dtype) -> None:
         module = nn.Module()
         module.register_buffer("values", torch.zeros(3, dtype=dtype))
     unset = Unset()
-    materialize(module, CPU, unset)
+    materialize(module, CPU, initialize=initializer(module), unset=unset)
     assert unset.names() == ["values"]
     module.values.data[0] = 1  # written, if only in part
     assert unset.names() == []
+
+
+def test_without_a_tracker_what_nothing_initialized_is_an_error() -> None:
+    with torch.device("meta"):
+        block = Block()
+    with pytest.raises(ValueError, match=r"\[scale, steps, mask, window\] were built on the meta"):
+        materialize(block, CPU, initialize=initializer(block))
