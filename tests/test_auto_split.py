@@ -133,6 +133,10 @@ def test_untraceable_model_error_names_the_operation_and_how_to_annotate() -> No
         torch.testing.assert_close(run_stages(graph, {"x": x}), model(x), rtol=0, atol=0)
     annotated = split_by_modules(Branchy(), ["inner", "other"])
     assert annotated.num_stages == 2
+    with pytest.raises(TypeError) as error:  # in the model's own forward: no module to name
+        auto_split(Untraceable(), 1)
+    assert "<name>" not in str(error.value)
+    assert "move that code into a submodule and name the submodule" in str(error.value)
 
 
 def test_auto_split_may_cut_between_the_users_of_tied_weights() -> None:

@@ -40,12 +40,23 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
         ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
         ({"stage_checkpoint": ("never", "often")}, r"stage_checkpoint has modes \['often'\]"),
         ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"compile_timeout_s": -1.0}, "compile_timeout_s must be positive"),
         ({"tie_weights": ("a.weight",)}, "names fewer than two"),
     ],
 )
 def test_each_section_rejects_bad_values(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PipelineConfig(**fields)  # type: ignore[arg-type]  # wrong on purpose
+
+
+def test_counts_take_whole_floats_and_refuse_the_rest() -> None:
+    config = PipelineConfig(num_microbatches=42.0, balance=(3.0, 5), virtual_stages=2.0)
+    assert (config.num_microbatches, config.balance, config.virtual_stages) == (42, (3, 5), 2)
+    assert type(config.num_microbatches) is int
+    with pytest.raises(ValueError, match=r"num_microbatches must be a whole number, got 42\.5"):
+        PipelineConfig(num_microbatches=42.5)
+    with pytest.raises(TypeError, match="num_microbatches must be an integer, got str '4'"):
+        PipelineConfig(num_microbatches="4")  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_plain_data_round_trips_and_unknown_fields_are_named() -> None:

@@ -5,13 +5,11 @@ training's."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conveyor.runtime import microbatch
@@ -21,22 +19,6 @@ from conveyor.schedule import build_program
 from conveyor.split import bind_inputs, split_model
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    """A gloo world of one process, ended after the test."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'store'}",
-        rank=0,
-        world_size=1,
-        timeout=timedelta(seconds=20),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

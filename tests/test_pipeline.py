@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch import nn
 
 import conveyor
 from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.runtime.backward import backward_input
 from conveyor.runtime.comm import PeerLostError
 from dist import run_ranks
 
@@ -247,6 +249,51 @@ def test_changed_shape_fails_clearly_and_the_peer_does_not_hang(tmp_path: Path) 
     run_ranks(_shape_change, tmp_path, 2, timeout_s=60)
 
 
+def _autocast(rank: int, world_size: int) -> None:
+    model = tiny(4).float()
+    pipe = conveyor.Pipeline(copy.deepcopy(model), num_microbatches=2, loss_fn=F.mse_loss)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    for step, autocast in enumerate((False, True, False, True)):  # the dtypes sent change
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            check_step(pipe, model, x, y, F.mse_loss, atol=0.0, step=step)  # bitwise
+        for p in (*pipe.parameters(), *model.parameters()):
+            p.grad = None
+
+
+def test_autocast_steps_equal_plain_autocast_between_float32_steps(tmp_path: Path) -> None:
+    run_ranks(_autocast, tmp_path, 2, timeout_s=90)
+
+
+def _compiled(rank: int, world_size: int) -> None:
+    model = tiny(4, dropout=0.0)
+    pipe = conveyor.Pipeline(
+        copy.deepcopy(model),
+        schedule="zb-h1",
+        num_microbatches=2,
+        loss_fn=F.mse_loss,
+        timeout_s=2,  # shorter than compiling takes: the first step waits compile_timeout_s
+    ).compile(backend="aot_eager")
+    x, y = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)
+    # the plain model's parameter names find every gradient: compiling kept the names
+    check_step(pipe, model, x, y, F.mse_loss, atol=1e-10)  # I and W of zb-h1
+    if rank == 1:  # the compiled region's backward runs once, whole, at I
+        stage = pipe.stages[1]
+        h = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+        (out,) = stage(h)
+        assert out.grad_fn is not None and out.grad_fn.name() == "CompiledFunctionBackward"
+        runs: list[int] = []
+        out.grad_fn.register_prehook(lambda grads: runs.append(1))
+        stage.zero_grad()
+        _, weight = backward_input([out], [torch.ones_like(out)], [h])
+        assert weight.is_empty and all(p.grad is not None for p in stage.parameters())
+        weight.run()
+        assert runs == [1]
+
+
+def test_compiled_stages_train_exactly_with_split_backward(tmp_path: Path) -> None:
+    run_ranks(_compiled, tmp_path, 2, timeout_s=110)
+
+
 def _lost_peer(rank: int, world_size: int) -> None:
     pipe = conveyor.Pipeline(tiny(4), num_microbatches=2, loss_fn=F.mse_loss, timeout_s=30)
     x = torch.randn(4, 8, dtype=torch.float64)
@@ -297,10 +344,55 @@ def _hung_peer(rank: int, world_size: int) -> None:
         time.sleep(12)  # hangs mid-run (say, stuck in a data loader)
         return
     start = time.monotonic()
-    with pytest.raises(PeerLostError, match=r"lost rank 1 while receiving 0RB\d<1"):
+    match = r"lost rank 1 while receiving the batch fingerprint of step 0"  # its first wait
+    with pytest.raises(PeerLostError, match=match):
         pipe.step(x, x)
     assert time.monotonic() - start < 10
 
 
 def test_hung_peer_fails_the_other_rank_after_the_timeout(tmp_path: Path) -> None:
     run_ranks(_hung_peer, tmp_path, 2, timeout_s=60)
+
+
+def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny(4)
+    pipe = conveyor.Pipeline(model, num_microbatches=2.0, loss_fn=F.mse_loss)
+    assert pipe.config.num_microbatches == 2
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"to pass one tuple .* pipe\.forward\(\(\(a, b\),\)\)"):
+        pipe.forward((x, x))
+    with pytest.raises(
+        ValueError, match=r"model inputs\['input'\] of shape \(4, 8\) is on the meta"
+    ):
+        pipe.step(x.to("meta"), x)
+    with pytest.raises(ValueError, match=r"targets of shape \(4, 8\) is on the meta"):
+        pipe.step(x, x.to("meta"))
+    with pytest.raises(ValueError, match="no layers to split"):
+        conveyor.Pipeline(nn.Sequential(), loss_fn=F.mse_loss)
+    layer = nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=r"same module object at positions \[0, 1\]"):
+        conveyor.Pipeline(nn.Sequential(layer, layer), placement=(0, 0))  # no balance given
+    with caplog.at_level(logging.WARNING, logger="conveyor.pipeline"):
+        conveyor.Pipeline(nn.Sequential(nn.ReLU()))
+    assert "rank 0 holds no parameters" in caplog.text
+    assert "AdamW(params) if params else None" in caplog.text
+    with torch.device("meta"):
+        built = tiny(2)
+        built[1] = nn.Sequential(nn.Tanh())
+        built[1].register_buffer("shift", torch.zeros(8, dtype=torch.float64))
+    pipe = conveyor.Pipeline(built, num_microbatches=2, loss_fn=F.mse_loss)
+    with pytest.raises(RuntimeError, match=r"rank 0 \(stages \[0\]\): \[1.shift\] were built"):
+        pipe.step(x, x)
+    pipe.load_state_dict({**tiny(2).state_dict(), "1.shift": torch.zeros(8)}, strict=False)
+    assert pipe.step(x, x) is not None  # initialized now: it trains
+
+
+def test_an_index_error_in_a_stage_names_the_stage_and_the_likely_cause(one_rank: None) -> None:
+    model = gpt(vocab_size=16, seq_len=8, dim=8, num_layers=1, num_heads=2)
+    pipe = conveyor.Pipeline(model, num_microbatches=2, loss_fn=gpt_loss)
+    ids = torch.randint(0, 16, (4, 12))  # longer than the 8 positions the model has
+    with pytest.raises(IndexError) as error:
+        pipe.step(ids, ids)
+    note = "\n".join(error.value.__notes__)
+    assert "rank 0 (stage 0), forward of micro-batch 0 on inputs input (2, 12) int64" in note
+    assert "longer than the model's position embeddings" in note

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,11 @@ from conveyor.planner import (
     Profile,
     UnitStats,
     Workload,
+    plan,
     profile_model,
     trace_units,
 )
+from conveyor.split import auto_split
 
 
 def _model() -> nn.Sequential:
@@ -143,14 +146,80 @@ def test_profile_rejects_bad_sizes() -> None:
         profile_model(_workload(_model()), [0])
 
 
-def test_identical_layers_are_measured_once_but_a_model_input_is_no_layer_output() -> None:
+class Delay(nn.Module):
+    """torchgpipe's benchmark layer: sleeps; every delay has the same repr and shapes."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x * self.scale
+
+
+def test_every_layer_is_timed_so_balance_by_time_sees_each_delay() -> None:
+    model = nn.Sequential(*(Delay(0.002 * i) for i in range(1, 7)))
+    workload = _workload_8(model)
+    profile = profile_model(workload, [2], min_time_s=0.0, min_repeats=3, passes=1)
+    forwards = [s.forward for s in profile.stats[2]]
+    assert forwards[-1] > 3 * forwards[0], f"each Delay timed for itself: {forwards}"
+    report = plan(
+        workload,
+        num_ranks=2,
+        memory_budget=2**30,
+        batch_size=4,
+        profile=profile,
+        schedules=["gpipe"],
+        microbatches=[2],
+        objectives=("time",),
+        checkpointing=False,
+    )
+    assert report.best.balance == (4, 2)  # torchgpipe's balance_by_time answer
+
+
+def test_the_plan_time_budget_does_not_include_profiling() -> None:
+    workload = _workload_8(nn.Sequential(*(nn.Linear(8, 8) for _ in range(4))).double())
+
+    def slow_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.2)  # profiling takes longer than the whole time budget
+        return workload.batch(size)
+
+    slow = Workload("slow", workload.model, slow_batch, workload.loss_fn)
+    report = plan(slow, 2, 2**30, 4, schedules=["1f1b"], microbatches=[2], time_budget_s=0.1)
+    assert report.elapsed_s > 0.2
+    assert report.plans and not any("time budget" in note for note in report.notes)
+
+
+def test_a_model_input_is_no_layer_output() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).double()
     profile = profile_model(_workload_8(model), [4], min_time_s=0.0, min_repeats=2)
-    first, second, third = profile.stats[4]
-    assert second == third  # same module, same input shape: one measurement
-    assert first != second  # the first takes the model input, which needs no gradient
+    first, second, _ = profile.stats[4]
     assert first.backward_input < second.backward_input or first.backward_input == 0.0
+
+
+def test_measuring_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8)
+    ).double()
+    model.eval()
+    model[0].train()  # a mix of modes
+    model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()  # .grad the user holds
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    grads = [p.grad for p in model.parameters()]
+    example = torch.randn(4, 8, dtype=torch.float64)
+    rng = torch.get_rng_state()
+    profile_model(_workload_8(model), [4], min_time_s=0.0, min_repeats=1, passes=1)
+    auto_split(model, 2, example_inputs=example)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "running stats unchanged"
+    assert [m.training for m in model.modules()] == modes
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng), "the random stream is the user's"
 
 
 def _workload_8(model: nn.Module) -> Workload:

@@ -10,6 +10,7 @@ from conveyor.graph import MODEL_OUTPUT
 from conveyor.split import (
     StageAnnotation,
     balance_to_split_points,
+    bind_inputs,
     even_balance,
     run_stages,
     split_by_modules,
@@ -35,8 +36,10 @@ class Residual(nn.Module):
 
 def test_even_balance() -> None:
     assert even_balance(8, 3) == [3, 3, 2]
-    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages: every stage"):
         even_balance(2, 3)
+    with pytest.raises(ValueError, match=r"no layers to split into 2 stages \(an empty"):
+        even_balance(0, 2)
 
 
 def test_balance_must_cover_every_layer() -> None:
@@ -44,6 +47,19 @@ def test_balance_must_cover_every_layer() -> None:
     assert balance_to_split_points(model, [3, 5]) == ["3"]
     with pytest.raises(ValueError, match="sum to 8"):
         balance_to_split_points(model, [3, 4])
+    layer = nn.Linear(2, 2)  # one module at two positions: not a balance problem
+    with pytest.raises(
+        ValueError, match=r"same module object at positions \[0, 2\].*deepcopy.*'0.weight,2.weight'"
+    ):
+        balance_to_split_points(nn.Sequential(layer, nn.Tanh(), layer), [1, 2])
+
+
+def test_inputs_that_do_not_bind_say_how_to_pass_a_tuple() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    a, b = torch.ones(1, 2), torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"a tuple of 2 values .* pipe\.forward\(\(\(a, b\),\)\)"):
+        bind_inputs(model, (a, b))
+    assert bind_inputs(model, ((a, b),)) == {"input": (a, b)}
 
 
 def test_split_points_keep_qualified_names_and_compute_the_same() -> None:

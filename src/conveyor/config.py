@@ -13,9 +13,12 @@ section validates its own fields; fields are also set and read flat (``config.sc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import numbers
+import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,6 +91,14 @@ class SplitConfig:
     several stages is tied without being listed."""
 
     def _check_split(self) -> None:
+        for name in ("balance", "placement"):
+            counts = getattr(self, name)
+            if counts is not None:
+                object.__setattr__(self, name, tuple(_whole(name, c) for c in counts))
+        if self.virtual_stages is not None:
+            object.__setattr__(
+                self, "virtual_stages", _whole("virtual_stages", self.virtual_stages)
+            )
         methods = self.split_methods
         if len(methods) > 1:
             raise ValueError(
@@ -165,6 +176,10 @@ class TrainingConfig:
     so the running statistics are those of the whole mini-batch (torchgpipe semantics)."""
 
     def _check_training(self) -> None:
+        object.__setattr__(
+            self, "num_microbatches", _whole("num_microbatches", self.num_microbatches)
+        )
+        object.__setattr__(self, "seed", _whole("seed", self.seed))
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
         if self.checkpoint not in RECOMPUTE_MODES:
@@ -191,6 +206,10 @@ class RuntimeConfig:
 
     timeout_s: float = 60.0
     """Longest wait for a peer before the rank fails, naming the peer and the action."""
+    compile_timeout_s: float = 600.0
+    """Longest wait for a peer in a step whose stages compile (after Pipeline.compile: the
+    first step, and the first with new input shapes or another mode), instead of timeout_s:
+    a rank compiling its stage sends nothing meanwhile."""
     measure_memory: bool = False
     """Account activation memory for Pipeline.memory() and the trace: saved-tensor hooks on
     every forward, which cost 1.4-6% of a step on CPU (docs/benchmarks.md), hence off
@@ -208,8 +227,9 @@ class RuntimeConfig:
     render with `conveyor trace DIR`."""
 
     def _check_runtime(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        for name in ("timeout_s", "compile_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +278,23 @@ class PipelineConfig(RuntimeConfig, TrainingConfig, SplitConfig):
         return {
             k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
         }
+
+
+def _whole(name: str, value: Any) -> int:
+    """``value`` as an int: integers pass, integral floats (``42.0``, as TOML or arithmetic
+    make them) are converted, anything else is refused naming the field."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)  # int, numpy and torch integers
+        if isinstance(value, numbers.Real):
+            number = float(value)
+            if number.is_integer():
+                return int(number)
+            raise ValueError(
+                f"{name} must be a whole number, got {value!r}; pass an int such as "
+                f"{max(1, round(number))}"
+            )
+    raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
 
 
 def _fields_of(cls: type, fields: Mapping[str, Any], source: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, 
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
+from conveyor.runtime.fingerprint import autocast_state, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import counted_tokens, loss_weights
@@ -40,6 +41,7 @@ from conveyor.split.auto import auto_split
 from conveyor.split.export import place_on
 from conveyor.split.stages import EXPORTED
 from conveyor.trace import Recorder, Timeline, merge
+from conveyor.uninitialized import Unset
 from conveyor.weights import WeightFiles, materialize, save_stage_files, write_index
 
 __all__ = ["Pipeline"]
@@ -122,8 +124,19 @@ class Pipeline:
         )
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
+        self._unset = Unset()
+        """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
         self.stages = self._materialize(ties, weights)
         self._tied_names = ties
+        if not any(True for _ in self.parameters()):
+            logger.warning(
+                "rank %d holds no parameters (stages %s); torch.optim refuses an empty "
+                "parameter list, so make the optimizer only where there are some: params "
+                "= list(pipe.parameters()); optimizer = AdamW(params) if params else None "
+                "(or move the cut so that every rank holds parameters)",
+                self.rank,
+                list(self.stages),
+            )
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
@@ -168,6 +181,7 @@ class Pipeline:
                 owners=model,
                 files=files,
                 aliases=aliases,
+                unset=self._unset,
             )
         return stages
 
@@ -258,6 +272,19 @@ class Pipeline:
 
     __call__ = forward
 
+    def compile(self, **options: Any) -> Pipeline:
+        """Compile this rank's stages with ``torch.compile(**options)``, in place.
+
+        Call it on every rank after the split. Parameter names stay the model's (the stages
+        are compiled in place, as ``nn.Module.compile`` does); a step that compiles (the first,
+        and the first with new input shapes or another mode) waits up to ``compile_timeout_s``
+        for peers instead of ``timeout_s``. See Note [compiled stages] for split backward.
+        """
+        for module in self.stages.values():
+            module.compile(**options)
+        self._runtime.compile_timeout = timedelta(seconds=self.config.compile_timeout_s)
+        return self
+
     # -- timelines -------------------------------------------------------------------------
 
     def timeline(self, step: int = -1) -> Timeline:
@@ -319,13 +346,18 @@ class Pipeline:
                 f"'{LABELS}': ids}}"
             )
         weights = self._loss_weights(chunks, split_targets) if size else [1.0] * m
+        where = f"rank {self.rank} (stages {list(self.stages)})"
+        mine = fingerprint(
+            bound, targets, is_training, self.device, size, self._unset.problem(where)
+        )
         return StepInputs(
             chunks,
-            [_signature(c) for c in chunks],
+            [_signature(c, self.device) for c in chunks],
             split_targets,
             weights,
             self.step_index,
             is_training,
+            mine,
         )
 
     def _loss_weights(self, chunks: list[dict[str, Any]], targets: list[Any] | None) -> list[float]:
@@ -510,7 +542,9 @@ def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def _signature(chunk: dict[str, Any]) -> str:
-    """Shapes, dtypes and constants of a micro-batch: the key for exchanged shapes."""
+def _signature(chunk: dict[str, Any], device: torch.device) -> str:
+    """Shapes, dtypes and constants of a micro-batch, and the autocast state (it changes the
+    dtypes stages send): the key for exchanged shapes."""
     meta = Meta.of(chunk)
-    return repr((meta.spec, [(leaf.shape, leaf.dtype, leaf.constant) for leaf in meta.leaves]))
+    leaves = [(leaf.shape, leaf.dtype, leaf.constant) for leaf in meta.leaves]
+    return repr((meta.spec, leaves, autocast_state(device)))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 # would disagree with it. Replace with ``torch.utils.pytree`` once torch makes it public.
 import torch.utils._pytree as pytree
 
-__all__ = ["default_store", "flatten_state_dict", "grad_unchecked", "pytree"]
+__all__ = ["default_store", "flatten_state_dict", "grad_unchecked", "pytree", "tensor_version"]
 """Internal to conveyor: listed so that its modules may import them."""
 
 
@@ -72,3 +72,11 @@ def grad_unchecked(
         tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate_grad=False
     )
     return found
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many in-place writes ``tensor`` has seen (autograd's version counter, which it uses
+    to catch saved tensors modified in place). No public API exposes it; conveyor uses it to
+    tell whether anything has written a tensor since it was allocated."""
+    version: int = tensor._version
+    return version

@@ -7,7 +7,8 @@ A model built on the meta device holds no memory; each rank allocates only the t
 own stages, filling them from safetensors files (``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``) that are opened lazily, tensor by tensor, so no rank ever
 holds the whole model. Tensors the files lack are initialized the way the model's own modules
-initialize themselves (a transformers model's ``_init_weights``, else ``reset_parameters``).
+initialize themselves (a transformers model's ``_init_weights``, else ``reset_parameters``);
+what nothing initializes is tracked until it is loaded (conveyor.uninitialized).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from conveyor.files import atomic_path, write_atomic
+from conveyor.uninitialized import Unset, listed
 
 __all__ = ["INDEX", "Initializer", "WeightFiles", "materialize", "save_stage_files", "write_index"]
 
@@ -78,14 +80,18 @@ def materialize(
     owners: nn.Module | None = None,
     files: WeightFiles | None = None,
     aliases: Mapping[str, Sequence[str]] | None = None,
+    unset: Unset | None = None,
 ) -> nn.Module:
     """``stage`` on ``device``: tensors on the meta device are allocated there, read from
     ``files`` (under their own name or a tied ``aliases`` name) or else initialized by
-    ``initialize`` on the module of ``owners`` (default: the stage) that owns them. A tensor
-    shared under several names stays one tensor.
+    ``initialize`` on the module of ``owners`` (default: the stage) that owns them, children
+    before parents. A tensor shared under several names stays one tensor. Tensors nothing
+    initialized are added to ``unset`` (logged; they can still be loaded), or without one
+    raise. See Note [meta materialization].
 
     Raises:
-        ValueError: a tensor is neither in the files nor initializable, or differs in shape.
+        ValueError: a tensor in the files differs in shape, or (without ``unset``) a tensor is
+            neither in the files nor initialized.
     """
     tensors = _named_tensors(stage)
     if not any(t.is_meta for t in tensors.values()):
@@ -105,7 +111,9 @@ def materialize(
             pending[name] = tensor
         else:
             made[id(tensor)] = loaded.to(device)
-    made.update(_initialized(pending, device, owners or stage, initialize))
+    left = Unset()
+    made.update(_initialized(pending, device, owners or stage, initialize, left))
+    _report(left, unset)
     saved = set(stage.state_dict(keep_vars=True))
     for name, tensor in tensors.items():
         _put(stage, name, made[id(tensor)], tensor, name in saved)
@@ -138,27 +146,47 @@ def _initialized(
     device: torch.device,
     owners: nn.Module,
     initialize: Initializer,
+    unset: Unset,
 ) -> dict[int, torch.Tensor]:
-    """New tensors for ``pending`` (meta tensors by name), initialized by their modules."""
+    """New tensors for ``pending`` (meta tensors by name), initialized by their modules,
+    children first; what stays unset is added to ``unset``."""
+    by_owner: dict[str, list[str]] = {}
+    for name in pending:
+        owner_name, _, leaf = name.rpartition(".")
+        by_owner.setdefault(owner_name, []).append(leaf)
+    order = {name: i for i, (name, _) in enumerate(owners.named_modules())}
     made: dict[int, torch.Tensor] = {}
-    failed = []
-    for owner_name in sorted({name.rpartition(".")[0] for name in pending}):
+    for owner_name in sorted(by_owner, key=lambda n: (-_depth(n), order.get(n, 0))):
         owner = owners.get_submodule(owner_name)
         owner.to_empty(device=device, recurse=False)
+        entries = unset.mark(owner_name, owner, by_owner[owner_name])
         with torch.no_grad():
-            if not initialize(owner_name, owner):
-                failed.append(owner_name or "<root>")
-                continue
-        for name, tensor in pending.items():
-            if name.rpartition(".")[0] == owner_name:
-                made[id(tensor)] = _get(owner, name.rpartition(".")[2])
-    if failed:
-        raise ValueError(
-            f"modules {failed} hold tensors on the meta device that no weights file provides "
-            "and that they cannot initialize (no reset_parameters); pass weights=DIR with "
-            "their values, or build the model with real tensors"
-        )
+            initialized = initialize(owner_name, owner)
+        unset.keep(entries, initialized)
+        for leaf in by_owner[owner_name]:
+            name = f"{owner_name}.{leaf}" if owner_name else leaf
+            made[id(pending[name])] = _get(owner, leaf)
     return made
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1 if name else 0
+
+
+def _report(left: Unset, unset: Unset | None) -> None:
+    """Tensors nothing initialized: an error without ``unset``, else logged and kept there."""
+    names = left.names()
+    if not names:
+        return
+    if unset is None:
+        raise ValueError(left.problem("materializing on the meta device"))
+    logger.warning(
+        "%s were built on the meta device and nothing initializes them (no weights file "
+        "holds them, their modules have no initializer that sets them); load their values "
+        "with Pipeline.load_state_dict before the first step, which refuses to run until then",
+        listed(names),
+    )
+    unset.entries += left.entries
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

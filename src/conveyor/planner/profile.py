@@ -35,6 +35,7 @@ from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.split.inputs import bind_inputs
 from conveyor.split.tracing import trace_graph
+from conveyor.split.untouched import untouched
 from conveyor.torch_compat import pytree
 
 __all__ = [
@@ -469,21 +470,17 @@ def profile_model(
     calibration: dict[int, tuple[float, float]] = {}
     per_sample = 0
     per_input: tuple[int, ...] = ()
-    with _threads(threads):
+    with _threads(threads), untouched(model):
         model.train()
         for size in sorted(set(microbatch_sizes)):
             inputs, targets = workload.batch(size)
             env = _capture(model, graph, inputs)
             measure = _Timer(min_time_s / max(passes, 1), min_repeats)
-            keys = [_signature(model, node, env) for node in nodes]
-            first = dict(zip(keys, nodes, strict=True))  # identical layers are measured once
             output = env[next(n for n in graph.nodes if n.op == "output").args[0]]
             rounds = []
             for _ in range(max(passes, 1)):
-                measured = {
-                    key: _unit_stats(model, node, env, measure) for key, node in first.items()
-                }
-                alone = tuple(measured[key] for key in keys)
+                # every unit is timed: layers alike in code and shapes may still differ in cost
+                alone = tuple(_unit_stats(model, node, env, measure) for node in nodes)
                 loss = _loss_times(workload.loss_fn, output, targets, measure)
                 rounds.append(
                     (alone, loss, _in_sequence(workload, inputs, targets, alone, loss, measure))
@@ -560,26 +557,6 @@ def _capture(model: nn.Module, graph: fx.Graph, inputs: Any) -> dict[fx.Node, An
             elif node.op != "output":
                 env[node] = _run_node(model, node, env)
     return env
-
-
-def _signature(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> str:
-    """What a node computes and on what shapes: nodes with equal signatures cost the same."""
-
-    def shape(value: Any) -> Any:
-        return pytree.tree_map_only(
-            torch.Tensor, lambda t: ("tensor", tuple(t.shape), t.dtype, t.requires_grad), value
-        )
-
-    if node.op == "call_module":
-        module = model.get_submodule(str(node.target))
-        what = f"{type(module).__qualname__} {module!r} {module.training}"
-    else:
-        what = f"{node.op} {getattr(node.target, '__qualname__', node.target)}"
-    # a model input needs no gradient, another unit's output does: different backwards
-    args = fx.node.map_arg(
-        (node.args, node.kwargs), lambda n: (n.op == "placeholder", shape(env[n]))
-    )
-    return f"{what} {args!r}"
 
 
 class _Timer:

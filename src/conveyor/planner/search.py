@@ -74,9 +74,10 @@ def plan(
         keep: candidates are simulated fastest lower bound first, and once ``keep`` plans
             that fit are known, a candidate whose lower bound (its busiest rank's compute) is
             slower than all of them is not simulated: the top ``keep`` stay exact.
-        time_budget_s: preparing candidates (smaller micro-batch counts first) stops after
-            half of this, simulating them (lowest bound first) after all of it once a plan
-            that fits is known; what was skipped is listed in ``notes``. None: no limit.
+        time_budget_s: seconds for the search, counted after profiling: preparing
+            candidates (smaller micro-batch counts first) stops after half of this,
+            simulating them (lowest bound first) after all of it once a plan that fits is
+            known; what was skipped is listed in ``notes``. None: no limit.
 
     Raises:
         ValueError: a bad rank count or batch size, a profile that does not match the
@@ -104,6 +105,7 @@ def plan(
         counts,
         max(layout_of(n).virtual_stages for n in names),
     )
+    searching = time.perf_counter()  # the time budget is the search's: profiling is not in it
     # a graph model is also cut along an order that keeps each branch whole (conveyor.split.cut),
     # so that independent branches can sit on different ranks side by side
     orders: list[list[int] | None] = [None]
@@ -130,14 +132,14 @@ def plan(
             ((m, n) for m in counts for n in names),
             key=lambda pair: (probe[pair[1]] * pair[0], pair[0]),
         ):
-            if time_budget_s is not None and time.perf_counter() - start > time_budget_s / 2:
+            if time_budget_s is not None and time.perf_counter() - searching > time_budget_s / 2:
                 notes.append(
                     f"{name} with {m} micro-batches: not tried, the search used its "
                     f"time budget ({time_budget_s:.0f} s)"
                 )
                 continue
             pending += _attempt(search, name, m, objectives, notes)
-        deadline = None if time_budget_s is None else start + time_budget_s
+        deadline = None if time_budget_s is None else searching + time_budget_s
         found, skipped = search.simulate_best(_dedupe(pending), keep, deadline)
         plans += found
         pruned += skipped

@@ -70,6 +70,8 @@ def backward_input(
             edges.append(get_gradient_edge(root))
             seeds.append(torch.ones_like(root) if grad is None else grad)
     graph = _Graph.of([e.node for e in edges], [get_gradient_edge(x).node for x in wanted])
+    if graph.compiled:  # See Note [compiled stages]
+        return _whole(roots, root_grads, inputs), WeightGrad([])
     kept: dict[Node, _Grads] = {}
     handles = [node.register_prehook(_keeper(kept, node)) for node in graph.frontier]
     try:
@@ -96,6 +98,33 @@ def backward_input(
         if e.node not in graph.input_nodes
     ]
     return grads, WeightGrad(graph.group(starts))
+
+
+# Note [compiled stages]:
+# torch.compile (through AOTAutograd) turns a compiled region's whole backward into one
+# autograd node, CompiledFunctionBackward, which computes the input and the weight gradients
+# together. The split backward cannot cut inside it: I would run it with the graph retained
+# and W would run it again, which doubles its work and which inductor refuses outright
+# ("compiled with non-empty donated buffers": its backward may reuse the memory of what the
+# forward saved, so it runs once). So a stage whose graph holds a compiled node runs its whole
+# backward at I, accumulating the weight gradients there, and its W does nothing: the
+# gradients are exact under every schedule, and zero-bubble schedules lose only the freedom to
+# move that stage's weight-gradient work into the bubble.
+_COMPILED = "CompiledFunction"
+"""Start of the name of the autograd node of a torch.compile'd region."""
+
+
+def _whole(
+    roots: Sequence[torch.Tensor],
+    root_grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """One plain backward: the weight gradients accumulate now; the inputs' are returned."""
+    pairs = [(r, g) for r, g in zip(roots, root_grads, strict=True) if r.requires_grad]
+    for x in inputs:
+        x.grad = None
+    torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+    return [x.grad if x.requires_grad else None for x in inputs]
 
 
 def _keeper(kept: dict[Node, _Grads], node: Node) -> Callable[[_Grads], None]:
@@ -146,6 +175,8 @@ class _Graph:
     """For each node outside the input nodes: bit mask of the leaves it reaches."""
     outside_children: dict[Node, list[Node]]
     """For each frontier node: its children outside the input nodes."""
+    compiled: bool = False
+    """Whether a torch.compile'd region is among the nodes; See Note [compiled stages]."""
 
     @classmethod
     def of(cls, roots: Sequence[Node], input_leaves: Sequence[Node]) -> _Graph:
@@ -170,7 +201,8 @@ class _Graph:
             for child in children:
                 mask |= reach[child]
             reach[node] = mask
-        return cls(input_nodes, list(outside), leaves, reach, outside)
+        compiled = any(node.name().startswith(_COMPILED) for node in order)
+        return cls(input_nodes, list(outside), leaves, reach, outside, compiled)
 
     def group(self, starts: list[_Start]) -> list[_Group]:
         """Starts joined into groups whose weights are disjoint."""

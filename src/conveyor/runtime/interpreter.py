@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -16,9 +18,13 @@ from conveyor.program import Action, Kind
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.batchnorm import recompute_context
 from conveyor.runtime.comm import P2P, Meta, Receive
+from conveyor.runtime.fingerprint import Fingerprint, agree
+from conveyor.runtime.inplace import copying_inputs
+from conveyor.runtime.input_grads import InputGradients
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.recompute import RecomputeMode, is_recomputed
 from conveyor.runtime.rng import RngState, microbatch_seed, rng_stream
+from conveyor.runtime.stage_errors import stage_errors
 from conveyor.torch_compat import pytree
 from conveyor.trace import Recorder
 
@@ -42,6 +48,9 @@ class StepInputs:
     loss_weights: Sequence[float]
     step_index: int
     is_training: bool
+    fingerprint: Fingerprint | None = None
+    """This rank's batch, compared with every other rank's before the first message (See
+    Note [batch fingerprint]); None skips the comparison."""
 
 
 @dataclass
@@ -87,11 +96,20 @@ class Runtime:
             module = graph.stages[s].module
             assert module is not None, f"stage {s} on rank {rank} has no module"
             self.modules[s] = module
+        self._calls = {s: copying_inputs(m) for s, m in self.modules.items()}
+        """Each stage's module, or a function that copies the inputs it modifies in place
+        first; See Note [in-place stage inputs]."""
         self.meter = ActivationMeter(enabled=measure_memory)
         self.meter.exclude(p for m in self.modules.values() for p in m.parameters())
         self.recorder: Recorder | None = None
         """Set to record every action's start and end (conveyor.trace)."""
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
+        self.compile_timeout: timedelta | None = None
+        """Longest wait for a peer in a step that compiles stages (Pipeline.compile)."""
+        self._compiled: set[tuple[str, bool]] = set()
+        """(signature, is_training) of the micro-batches stages have run (and compiled) for."""
+        self._input_grads = InputGradients(graph, rank, p2p)
+        """See Note [input gradients]."""
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -108,7 +126,12 @@ class Runtime:
         self._step = step
         self._state = _State()
         recorder = self.recorder
-        with torch.set_grad_enabled(step.is_training):
+        self._input_grads.begin()
+        with torch.set_grad_enabled(step.is_training), self._compile_allowance(step):
+            if step.fingerprint is not None:
+                what = f"step {step.step_index}" if step.is_training else "a forward() call"
+                with self._as_one_wait("batch check" if self.graph.num_ranks > 1 else None):
+                    agree(self.p2p, step.fingerprint, what)
             for action in actions:
                 logger.debug("[rank %d] %s", self.rank, action)
                 if recorder is None:
@@ -117,9 +140,41 @@ class Runtime:
                 start = recorder.now()
                 self._handlers[action.kind](action)
                 recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
+            if step.is_training and self._input_grads.has_work(step.microbatches):
+                with self._as_one_wait("input gradients"):
+                    self._input_grads.finish(step.microbatches)
             self.p2p.wait_sends()
         state, self._state = self._state, _State()
         return state
+
+    @contextmanager
+    def _as_one_wait(self, describe: str | None) -> Iterator[None]:
+        """Record the messages inside as one wait named ``describe`` (they are no action of
+        the Program); None: record nothing."""
+        recorder, self.p2p.recorder = self.p2p.recorder, None
+        start = 0.0 if recorder is None else recorder.now()
+        try:
+            yield
+        finally:
+            self.p2p.recorder = recorder
+        if recorder is not None and describe is not None:
+            recorder.wait(describe, start, recorder.now())
+
+    @contextmanager
+    def _compile_allowance(self, step: StepInputs) -> Iterator[None]:
+        """Peers wait up to ``compile_timeout`` in a step that compiles (a micro-batch
+        signature or mode not seen before), since a rank compiling its stage is silent."""
+        keys = {(signature, step.is_training) for signature in step.signatures}
+        timeout = self.p2p.timeout
+        if self.compile_timeout is None or keys <= self._compiled:
+            yield
+            return
+        self.p2p.timeout = max(timeout, self.compile_timeout)
+        try:
+            yield
+        finally:
+            self.p2p.timeout = timeout
+        self._compiled |= keys
 
     # -- forward -------------------------------------------------------------------------
 
@@ -136,13 +191,14 @@ class Runtime:
         with (
             rng_stream(self._rng_start(s, k, received), self.device, end),
             self.meter.saving((s, k)),
+            stage_errors(self.rank, s, k, stage.inputs, args),
         ):
             if self._is_recomputed(k, s):
                 out = recompute(
-                    self.modules[s], *args, use_reentrant=False, context_fn=recompute_context
+                    self._calls[s], *args, use_reentrant=False, context_fn=recompute_context
                 )
             else:
-                out = self.modules[s](*args)
+                out = self._calls[s](*args)
         self._state.rng_end[(s, k)] = end[0]
         if not isinstance(out, tuple) or len(out) != len(stage.outputs):
             raise RuntimeError(
@@ -172,7 +228,8 @@ class Runtime:
         """One input value of stage ``s``: from the micro-batch, a local stage, or a peer."""
         producer = self.graph.producer(name)
         if producer is None:
-            return self._step.microbatches[k][name]
+            value = self._step.microbatches[k][name]
+            return self._input_grads.leaf(k, name, value) if self._step.is_training else value
         if producer in received:
             value = received[producer]["values"][name]
         else:

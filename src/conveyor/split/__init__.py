@@ -13,7 +13,8 @@ through every stage in between, as chain-only pipelines must).
 Modules: ``frontend`` (one tracer for every method: torch.fx, or torch.export for what fx
 cannot trace, ``export``), ``points`` (split points), ``modules`` (stage modules), ``auto``
 (automatic cut) and ``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential),
-``inputs``; the internal ``tracing`` (fx) and ``stages`` are what they share.
+``inputs``, ``untouched`` (measuring a model without changing it); the internal ``tracing``
+(fx) and ``stages`` are what they share.
 """
 
 from conveyor.split.auto import auto_split

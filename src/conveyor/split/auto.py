@@ -22,6 +22,7 @@ from conveyor.split.cut import DataflowGraph, best_cut
 from conveyor.split.frontend import NO_MODULE, Traced, Tracer, trace
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
 from conveyor.split.tracing import COMPUTE_OPS, HOW_TO_ANNOTATE
+from conveyor.split.untouched import untouched
 from conveyor.torch_compat import pytree
 
 __all__ = ["DEFAULT_BYTE_COST", "auto_split", "node_costs"]
@@ -88,11 +89,7 @@ def auto_split(
         concrete_args=concrete_args,
         example_inputs=example_inputs,
         tracer=tracer,
-        hint=(
-            "Keep the module that holds it whole with auto_split(..., leaf_modules=['<name>']) "
-            "(it is then never traced), or pass concrete_args for inputs that steer control "
-            f"flow. {HOW_TO_ANNOTATE}"
-        ),
+        hint=_untraceable_advice,
     )
     graph = traced.graph
     nodes = [n for n in graph.nodes if n.op in COMPUTE_OPS]
@@ -134,6 +131,19 @@ def auto_split(
             f"{num_stages} stages; give one rank per stage"
         )
     return build_stage_graph(traced, assignment, placement, relay_skips=relay_skips)
+
+
+def _untraceable_advice(module: str) -> str:
+    """How to get past code torch.fx cannot trace in ``module`` ('' for the model's forward)."""
+    keep = (
+        f"Keep the module that holds it whole with auto_split(..., leaf_modules=[{module!r}]) "
+        "(it is then never traced)"
+        if module
+        else "It is in the model's own forward, which auto_split must trace: move that code "
+        "into a submodule and name the submodule in auto_split(..., leaf_modules=[...]) (it "
+        "is then never traced)"
+    )
+    return f"{keep}, or pass concrete_args for inputs that steer control flow. {HOW_TO_ANNOTATE}"
 
 
 def node_costs(
@@ -192,11 +202,8 @@ def _measure(
             sizes[n] = float(sum(t.numel() * t.element_size() for t in tensors))
             return result
 
-    buffers = {name: b.clone() for name, b in traced.root.named_buffers() if not b.is_meta}
-    with torch.no_grad():
+    with torch.no_grad(), untouched(traced.root):
         _Counting(module).run(*args)
-        for name, value in buffers.items():  # measuring must not move batch norm statistics
-            traced.root.get_buffer(name).copy_(value)
     return weights, sizes
 
 

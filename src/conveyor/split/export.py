@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 
+from conveyor.split.inputs import bind_error
 from conveyor.split.tracing import module_path, where, within
 from conveyor.torch_compat import pytree
 
@@ -297,10 +298,7 @@ def _bind(signature: inspect.Signature, batch: Any) -> dict[str, Any]:
         else:
             bound = signature.bind(batch)
     except TypeError as error:
-        raise ValueError(
-            f"cannot pass the batch to forward{signature}: {error}; give a tensor (the first "
-            "input), a tuple (positional inputs) or a dict by parameter name"
-        ) from error
+        raise ValueError(bind_error("forward", signature, batch, error)) from error
     return {name: value for name, value in bound.arguments.items() if value is not None}
 
 

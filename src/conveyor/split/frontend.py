@@ -58,7 +58,7 @@ def trace(
     concrete_args: dict[str, Any] | None = None,
     example_inputs: Any = None,
     tracer: Tracer = "auto",
-    hint: str = "",
+    hint: str | Callable[[str], str] = "",
 ) -> Traced:
     """Trace ``model`` with torch.fx (into the modules that contain ``cut_at`` names, or as
     ``leaf`` says) or torch.export (on ``example_inputs``), per ``tracer``.

@@ -14,7 +14,7 @@ from torch import nn
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
 
-__all__ = ["bind_inputs", "run_stages"]
+__all__ = ["bind_error", "bind_inputs", "run_stages"]
 
 
 def run_stages(graph: StageGraph, inputs: Mapping[str, Any]) -> Any:
@@ -75,9 +75,30 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
             bound = signature.bind(inputs)
     except TypeError as error:
         raise ValueError(
-            f"{type(model).__name__} takes model inputs {list(signature.parameters)}; the batch "
-            f"does not fit them ({error}); pass a tensor (the first input), a tuple (positional "
-            "inputs) or a dict by name"
+            bind_error(f"{type(model).__name__}.forward", signature, inputs, error)
         ) from error
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def bind_error(name: str, signature: inspect.Signature, inputs: Any, error: TypeError) -> str:
+    """What was passed to the forward ``name``, what it takes, and how to pass it."""
+    kind = type(inputs).__name__
+    if isinstance(inputs, dict | tuple | list):
+        given = (
+            f"a dict with keys {sorted(inputs)} (keyword arguments)"
+            if isinstance(inputs, dict)
+            else f"a {kind} of {len(inputs)} values (positional arguments)"
+        )
+        example = "({'a': a},)" if isinstance(inputs, dict) else "((a, b),)"
+        fix = (
+            f"; to pass one {kind} as forward's first argument, wrap it in a tuple: "
+            f"pipe.forward({example})"
+        )
+    else:
+        given = f"one {kind}"
+        fix = "; pass a tensor (the first input), a tuple (positional inputs) or a dict by name"
+    return (
+        f"{name} takes model inputs {list(signature.parameters)}; cannot pass {given} to it "
+        f"({error}){fix}"
+    )

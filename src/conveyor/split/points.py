@@ -22,10 +22,16 @@ __all__ = ["balance_to_split_points", "even_balance", "split_model"]
 
 def even_balance(num_layers: int, num_stages: int) -> list[int]:
     """Layer counts per stage that differ by at most one, larger stages first."""
+    if num_layers < 1:
+        raise ValueError(
+            f"the model has no layers to split into {num_stages} stages (an empty "
+            "nn.Sequential); pass a model with at least one layer per stage"
+        )
     if not 1 <= num_stages <= num_layers:
         raise ValueError(
-            f"cannot split {num_layers} layers into {num_stages} stages; "
-            f"use between 1 and {num_layers} stages"
+            f"cannot split {num_layers} layers into {num_stages} stages: every stage needs "
+            f"at least one layer; use at most {num_layers} stages (fewer ranks, or a schedule "
+            "with one stage per rank such as 1f1b) or a model with more layers"
         )
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if i < extra else 0) for i in range(num_stages)]
@@ -34,6 +40,10 @@ def even_balance(num_layers: int, num_stages: int) -> list[int]:
 def balance_to_split_points(model: nn.Sequential, balance: Sequence[int]) -> list[str]:
     """Names of the layers that start stages 1, 2, ... of an nn.Sequential."""
     names = [name for name, _ in model.named_children()]
+    if len(names) != len(model) and len(balance) > 1:
+        raise ValueError(_repeated_layers(model))
+    if len(balance) == 1 and balance[0] == len(model):
+        return []
     if any(b < 1 for b in balance) or sum(balance) != len(names):
         raise ValueError(
             f"balance {list(balance)} covers {sum(balance)} layers but the model has "
@@ -42,6 +52,22 @@ def balance_to_split_points(model: nn.Sequential, balance: Sequence[int]) -> lis
         )
     starts = [sum(balance[:i]) for i in range(1, len(balance))]
     return [names[i] for i in starts]
+
+
+def _repeated_layers(model: nn.Sequential) -> str:
+    """The message for an nn.Sequential that holds one module object at several positions."""
+    positions: dict[int, list[int]] = {}
+    for i, layer in enumerate(model):
+        positions.setdefault(id(layer), []).append(i)
+    repeats = [p for p in positions.values() if len(p) > 1]
+    first = repeats[0]
+    return (
+        f"the nn.Sequential holds the same module object at positions "
+        f"{', '.join(str(p) for p in repeats)} (one layer applied several times), so its "
+        "layers cannot be told apart to split it; build each position from its own module "
+        "(copy.deepcopy(layer)), and to keep their weights equal across stages pass "
+        f"tie_weights=('{first[0]}.weight,{first[1]}.weight', ...)"
+    )
 
 
 def split_model(

@@ -94,9 +94,12 @@ def trace_graph(
     split_points: Sequence[str] = (),
     concrete_args: dict[str, Any] | None = None,
     leaf: Callable[[nn.Module, str], bool] | None = None,
-    hint: str = "",
+    hint: str | Callable[[str], str] = "",
 ) -> fx.Graph:
     """Trace ``model`` with torch.fx; on failure, say where tracing stopped and what to do.
+
+    ``hint`` is the advice to give, or a function of the qualified name of the module whose
+    code stopped tracing ('' for the model's own forward) that returns it.
 
     Raises:
         TypeError: tracing failed; the message names the operation and the module being
@@ -110,19 +113,14 @@ def trace_graph(
         raise
     except Exception as error:
         stack = list(tracer.module_stack.values())
-        inside = (
-            f" inside module {stack[-1][0]!r} ({stack[-1][1].__name__})"
-            if stack and stack[-1][0]
-            else ""
-        )
-        advice = hint or (
+        name = stack[-1][0] if stack else ""
+        inside = f" inside module {name!r} ({stack[-1][1].__name__})" if name else ""
+        advice = (hint(name) if callable(hint) else hint) or (
             "Only the modules that contain a split point are traced, so move the untraceable "
             "code into a submodule that lies wholly inside one stage, choose split points "
             "around it, pass concrete_args for inputs that steer control flow, or use an "
             "nn.Sequential with balance"
         )
-        if inside:  # name the module in the advice, e.g. leaf_modules=['encoder.3']
-            advice = advice.replace("<name>", stack[-1][0])
         raise TypeError(
             f"cannot trace {type(model).__name__} with torch.fx to split it: tracing stopped "
             f"at {type(error).__name__}: {error}{inside}{where(error)}. {advice}"

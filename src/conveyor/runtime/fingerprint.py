@@ -1,0 +1,222 @@
+"""Every rank must be given the same batch: a fingerprint of it, compared by all ranks at once.
+
+    mine = fingerprint(bound_inputs, targets, True, device, batch_size)
+    agree(p2p, mine, "step 3")   # on every rank before the step's first message; raises if
+                                 # any rank's fingerprint differs
+
+A pipeline is not data parallel: the first stage's rank reads the inputs and the last stage's
+rank the targets, so ranks given different batches (code ported from data-parallel training,
+where each rank reads its own shard) would train on one rank's inputs with another rank's
+targets and never notice; a different batch size would make a receive of the wrong size, which
+gloo answers by aborting the process. See Note [batch fingerprint].
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from conveyor.runtime.comm import P2P, Meta
+from conveyor.torch_compat import pytree
+
+__all__ = ["Fingerprint", "agree", "autocast_state", "fingerprint"]
+
+
+# Note [batch fingerprint]:
+# At the start of every step (and every inference call) each rank sends a fingerprint of its
+# batch to every other rank and compares what it receives with its own, before any activation
+# moves: a difference fails every rank at once with the same message, and a batch size that
+# differs never reaches a receive of the wrong size. The fingerprint is six int64s: the batch
+# size, digests of the structure (shapes, dtypes, constants), of the inputs' values, of the
+# targets' values, of the mode (step or forward, autocast), and a flag for a rank that cannot
+# run (its stages hold parameters nothing initialized). Values are digested exactly: each
+# tensor's bytes as 64-bit integers, summed (wrapping) plainly and weighted by position along
+# the batch and across a sample. Integer sums do not depend on the order of reduction, so equal
+# batches give equal digests on any rank and device, and a batch reordered or shifted gives
+# another. One exchange costs each rank p - 1 small messages each way, and the sums about one
+# read of the batch (measured in docs/benchmarks.md, batch check).
+@dataclass(frozen=True)
+class Fingerprint:
+    """What every rank must agree on before a step: its batch and how the step runs."""
+
+    batch_size: int
+    layout: int
+    """Digest of the structure: argument names, shapes, dtypes, non-tensor values."""
+    inputs: int
+    """Digest of the model inputs' values."""
+    targets: int
+    """Digest of the targets' values (0 without targets)."""
+    mode: int
+    """Digest of step or forward and the autocast state."""
+    not_ready: int = 0
+    """1 if this rank cannot run the step; ``problem`` says why."""
+    problem: str = field(default="", compare=False)
+    """Why this rank cannot run (local: peers learn only ``not_ready``)."""
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, name) for name in _SENT], dtype=torch.int64)
+
+    @classmethod
+    def of_tensor(cls, tensor: torch.Tensor) -> Fingerprint:
+        batch_size, layout, inputs, targets, mode, not_ready = map(int, tensor.tolist())
+        return cls(batch_size, layout, inputs, targets, mode, not_ready)
+
+
+_SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready")
+
+
+def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """Whether autocast is on, and to which dtype, for ``device``'s type and the CPU: it
+    changes the dtypes a stage sends, so it is part of a micro-batch's signature."""
+    return tuple(
+        (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        for kind in dict.fromkeys((device.type, "cpu"))
+    )
+
+
+def fingerprint(
+    inputs: dict[str, Any],
+    targets: Any,
+    is_training: bool,
+    device: torch.device,
+    batch_size: int | None,
+    problem: str = "",
+) -> Fingerprint:
+    """The fingerprint of one step's batch (``inputs`` bound to forward's parameters);
+    ``problem`` says why this rank cannot run the step, if it cannot.
+
+    Raises:
+        ValueError: a tensor of the batch is on the meta device (it holds no values).
+    """
+    _refuse_meta(inputs, "model inputs")
+    _refuse_meta(targets, "targets")
+    layout = [_layout(inputs), _layout(targets)]
+    return Fingerprint(
+        -1 if batch_size is None else batch_size,
+        _digest(layout),
+        _digest(_values(inputs)),
+        0 if targets is None else _digest(_values(targets)),
+        _digest([is_training, autocast_state(device)]),
+        1 if problem else 0,
+        problem,
+    )
+
+
+def agree(p2p: P2P, mine: Fingerprint, describe: str) -> None:
+    """Exchange fingerprints with every other rank of ``p2p``'s group; raise if any differs.
+
+    Collective: every rank calls it with its own fingerprint before the step's first message.
+
+    Raises:
+        ValueError: another rank's batch or mode differs from this rank's.
+        RuntimeError: a rank cannot run (its ``problem``, or on the others, its name).
+        PeerLostError: a peer did not answer within the timeout.
+    """
+    what = f"the batch fingerprint of {describe}"
+    peers = [r for r in range(dist.get_world_size(p2p.group)) if r != p2p.rank]
+    message = mine.tensor()
+    for peer in peers:
+        p2p.send(message, peer, what)
+    posted = [(peer, p2p.post(peer, Meta.of(message), what)) for peer in peers]
+    theirs = {peer: Fingerprint.of_tensor(p2p.wait(receive)) for peer, receive in posted}
+    p2p.wait_sends()
+    if mine.problem:
+        raise RuntimeError(mine.problem)
+    for peer, other in theirs.items():
+        if other.not_ready:
+            raise RuntimeError(
+                f"rank {p2p.rank}: rank {peer} cannot run {describe} (its own error says "
+                "why); every rank stops before any activation moves"
+            )
+        if other != mine:
+            raise ValueError(_difference(p2p.rank, peer, mine, other, describe))
+
+
+def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, what: str) -> str:
+    if mine.mode != other.mode:
+        return (
+            f"rank {rank}: rank {peer} runs {what} in another mode: one rank calls step() "
+            "and the other forward(), or autocast is on for one and not the other (or casts "
+            "to another dtype); call the same method on every rank, under the same autocast"
+        )
+    if mine.batch_size != other.batch_size:
+        found = f"a batch of {mine.batch_size} samples here, {other.batch_size} on rank {peer}"
+    elif mine.layout != other.layout:
+        found = "the batches differ in structure, shapes or dtypes, or in a non-tensor value"
+    elif mine.inputs != other.inputs:
+        found = "the model inputs hold different values"
+    else:
+        found = "the targets hold different values"
+    return (
+        f"rank {rank}: rank {peer} was given another batch for {what}: {found}. Every rank "
+        "must pass the same batch to step() and forward() (a pipeline is not data "
+        "parallel: the first stage's rank reads the inputs, the last stage's rank the "
+        "targets); load the same data on every rank of the pipeline (same seed, no "
+        "DistributedSampler over the pipeline's ranks)"
+    )
+
+
+def _refuse_meta(value: Any, what: str) -> None:
+    leaves, _ = pytree.tree_flatten_with_path(value)
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            raise ValueError(
+                f"{what}{pytree.keystr(path)} of shape {tuple(leaf.shape)} is on the meta "
+                "device: it has no values to compute with; pass tensors with data (on the "
+                "CPU or the pipeline's device)"
+            )
+
+
+def _layout(value: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(value)
+    return [
+        str(spec),
+        [
+            (tuple(t.shape), str(t.dtype), t.requires_grad)
+            if isinstance(t, torch.Tensor)
+            else repr(t)
+            for t in leaves
+        ],
+    ]
+
+
+def _values(value: Any) -> list[tuple[int, int, int]]:
+    return [_checksum(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _checksum(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """Exact integer sums of a tensor's bytes: plain, weighted by position along the first
+    dimension, and weighted by position within a sample. See Note [batch fingerprint]."""
+    data = tensor.detach()
+    if data.numel() == 0:
+        return 0, 0, 0
+    if data.is_complex():
+        data = torch.view_as_real(data)
+    raw = data.contiguous().reshape(-1).view(torch.uint8)
+    rows = raw.reshape(data.shape[0] if data.dim() > 0 else 1, -1)
+    # sums of int64 words run as fast as float sums; other integer sums are far slower
+    if rows.shape[1] % 8 == 0:
+        words = (rows if rows.storage_offset() % 8 == 0 else rows.clone()).view(torch.int64)
+    else:
+        words = rows.to(torch.int64)
+    by_row, by_column = words.sum(1), words.sum(0)
+    weigh = torch.arange(1, max(len(by_row), len(by_column)) + 1, device=words.device)
+    sums = torch.stack(
+        [
+            by_row.sum(),
+            (by_row * weigh[: len(by_row)]).sum(),
+            (by_column * weigh[: len(by_column)]).sum(),
+        ]
+    )
+    total, along, across = sums.tolist()
+    return total, along, across
+
+
+def _digest(value: Any) -> int:
+    """A signed 63-bit digest of ``value``'s repr (stable across processes, unlike hash())."""
+    data = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(data, "little") >> 1
