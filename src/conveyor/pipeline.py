@@ -177,7 +177,7 @@ class Pipeline:
         """Inference: the model's output for ``inputs`` on the last stage's rank, else None."""
         self._check_usable()
         step_inputs = self._inputs(inputs, None, False)
-        with torch.no_grad(), self._abandoning(f"a forward after step {self.step_index}"):
+        with torch.no_grad(), self._abandoning("a forward"):
             state = self._runtime.run(self._inference[self.rank], step_inputs)
         if not state.model_outputs:
             return None

@@ -426,9 +426,11 @@ class Checkpointer:
                 self.directory, None, f"cannot create or list the checkpoint directory: {error}"
             ) from error
         for name in names:
-            if name.startswith((".tmp-", ".deleting-", ".probe-")):
+            if name.startswith((".tmp-", ".deleting-")):
                 logger.info("removing %s, left by an interrupted save or deletion", name)
                 remove_dir(self.directory / name, f".deleting-{name}-swept")
+            elif name.startswith(".probe-"):  # left by an interrupted _check_writable
+                (self.directory / name).unlink(missing_ok=True)
         return uuid.uuid4().hex[:8]
 
     def _check_writable(self) -> None:
