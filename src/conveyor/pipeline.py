@@ -195,7 +195,10 @@ class Pipeline:
             text = " ".join(str(error).split())
             text = text if len(text) <= 200 else text[:197] + "..."
             self._abandoned = f"{doing} ({type(error).__name__}: {text})"
-            self._p2p.abandon(doing, error)
+            try:
+                self._p2p.abandon(doing, error)
+            except Exception as failure:  # keep the step's own error: it is the cause
+                logger.warning("[rank %d] could not tell the other ranks: %s", self.rank, failure)
             raise
 
     def _check_usable(self) -> None:

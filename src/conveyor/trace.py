@@ -226,13 +226,13 @@ class Timeline:
         what = " ".join(
             f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches") if k in self.meta
         )
-        time = (
+        duration = (
             f"{self.step_time:g} units"
             if self.meta.get("time_unit") == "units"
             else f"{self.step_time * 1e3:.2f} ms"
         )
         first, last = self.meta.get("steps", (None, None))
-        span = f"steps {first}-{last} {time}" if first != last else f"step {time}"
+        span = f"steps {first}-{last} {duration}" if first != last else f"step {duration}"
         return (
             f"{self.source}{' ' + what if what else ''}: {span}, bubble {self.bubble_fraction:.1%}"
         )

@@ -1,10 +1,10 @@
 """Lost peers: the error that names them, the first failure kept in the rendezvous store, and
 heartbeats that tell a stopped rank from a busy one.
 
-    peers = Peers(scope="conveyor/failure/pp0", group=group)   # one per pipeline transport
-    raise peers.lost(1, "receiving 0RB0<1", error, timeout)    # a point-to-point wait failed
-    raise peers.lost_in(group, "saving step 4", error, timeout)  # a collective failed: who?
-    peers.abandoned("step 3", error)                           # this rank gives up the step
+    peers = Peers("conveyor/failure/pp0", group)                 # one per pipeline transport
+    raise peers.lost(1, "receiving 0RB0<1", error, timeout)       # a receive from rank 1 failed
+    raise peers.lost_in([0, 1, 2], "saving step 4", error, timeout)  # a collective: who?
+    peers.abandoned("step 3", error)                              # this rank gives up the step
 """
 
 from __future__ import annotations
