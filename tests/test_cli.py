@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from conveyor.cli import main
+from conveyor.cli.launch import failure_summary
+from conveyor.runtime.peers import Failure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +63,14 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
         (["demo", "--checkpoint", "sometimes"], "invalid choice: 'sometimes'"),
         (["demo", "--num-microbatches", "0"], "num_microbatches must be >= 1"),
         (["run", "-n", "2", "missing.py"], "script 'missing.py' not found"),
+        (["simulate", "--microbatches", "0"], "--microbatches: expected a whole number >= 1"),
+        (["simulate", "--stages", "two"], "--stages: expected a whole number >= 1, got 'two'"),
+        (["run", "--checkpoint-dir", "-n", "2", "x.py"], "--checkpoint-dir needs a value"),
+        (
+            ["run", "-n", "2", "--checkpoint-dir", "train.py"],
+            "no script to run: --checkpoint-dir took 'train.py' as its DIR",
+        ),
+        (["trace", "runs", "--step", "5-3"], "expected a step N or a range FIRST-LAST"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(
@@ -85,3 +95,19 @@ def test_run_launches_a_script_on_every_rank(capfd: pytest.CaptureFixture[str]) 
     assert main(["run", "-n", "2", "--max-restarts", "0", script, "--steps", "10"]) == 0
     out = capfd.readouterr()
     assert "step 10 | loss" in out.out + out.err
+
+
+def test_the_run_summary_names_the_rank_the_ranks_reported() -> None:
+    exited, how = "rank 0 (local rank 0)", "exit code 1 (an exception, see above)"
+    # rank 1 hung: rank 0 timed out waiting for it and exited first
+    hung = Failure(rank=0, lost=1, doing="receiving 0RB0<1", cause="Timed out waiting 60000ms")
+    assert failure_summary(exited, 0, how, hung) == (
+        "rank 1 failed first: rank 0 lost rank 1 while receiving 0RB0<1; "
+        "rank 0 (local rank 0) exited first: exit code 1 (an exception, see above)"
+    )
+    raised = Failure(rank=0, lost=None, doing="step 3", cause="ValueError: bad")
+    assert failure_summary(exited, 0, how, raised) == (
+        "rank 0 (local rank 0) failed first: exit code 1 (an exception, see above): "
+        "rank 0 abandoned step 3 after an error of its own: ValueError: bad"
+    )
+    assert failure_summary(exited, 0, how, None) == f"{exited} failed first: {how}"

@@ -85,6 +85,24 @@ def test_profile_costs_sum_units_and_add_overheads_loss_and_recomputation() -> N
     assert cost.compute(Action(0, Kind.W, 0)) == pytest.approx(2 + 3 + 0.2)
 
 
+def test_recomputation_is_its_own_event_at_the_start_of_its_backward() -> None:
+    profile = _profile()
+    graph, units = layout(profile, split_units(4, [2, 2]))
+    cost = ProfileCost(profile, graph, units, 4, 3, checkpoint=["never", "except_last"])
+    assert cost.recompute(Action(1, Kind.B, 0)) == pytest.approx(3 + 4 + 0.5)
+    assert cost.recompute(Action(1, Kind.B, 2)) == cost.recompute(Action(0, Kind.B, 0)) == 0.0
+    timeline = simulate(build_program("1f1b", graph, 3), graph, cost)
+    redone = {e.action: e for e in timeline.events if e.kind == "recompute"}
+    assert sorted(redone) == ["recompute 1F0", "recompute 1F1"]
+    for k in (0, 1):
+        backward = next(e for e in timeline.events if e.action == f"1B{k}")
+        assert redone[f"recompute 1F{k}"].start == backward.start
+        assert redone[f"recompute 1F{k}"].duration == pytest.approx(7.5)
+    assert timeline.busy_time(1) == pytest.approx(
+        sum(e.duration for e in timeline.on(1) if e.is_compute)
+    ), "inside its backward: not counted twice"
+
+
 def test_activation_memory_is_counted_as_the_meter_counts_it() -> None:
     profile = _profile()
     graph, units = layout(profile, split_units(4, [2, 2]))

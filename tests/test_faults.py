@@ -3,14 +3,18 @@ rank quickly, naming it; a full disk leaves earlier checkpoints intact."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,11 +22,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
 
+import conveyor
 from conveyor.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, verify
+from conveyor.models import gpt_loss
 from conveyor.runtime import faults
+from conveyor.runtime.peers import PeerLostError
 from dist import run_ranks
-from test_checkpoint import Run, assert_same
+from test_checkpoint import Run, assert_same, tied_gpt, windows
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_resumable.py"
@@ -216,10 +225,11 @@ def test_lost_rank_without_restarts_left_fails_the_run_naming_it(tmp_path: Path)
     lost = ["backward:rank=1:step=2:attempt=0", "forward:rank=0:step=3:attempt=1"]
     result, _, log = _conveyor_run(tmp_path, "lost", 8, lost, 1)
     assert result.returncode == 1
-    assert (
-        "rank 0 (local rank 0) failed first: exit code -9 (SIGKILL); no restarts left "
-        "(--max-restarts 1 used up)"
-    ) in result.stderr
+    assert re.search(  # with what rank 1 recorded, unless torchrun stopped it first
+        r"rank 0 \(local rank 0\) failed first: exit code -9 \(SIGKILL\)"
+        r"(: rank 1 lost rank 0 while \S+ 1RF0<0)?; no restarts left \(--max-restarts 1 used up\)",
+        result.stderr,
+    ), result.stderr[-3000:]
     # rank 1 fails on its own, naming rank 0, unless torchrun has stopped it first
     assert "lost rank 0" in result.stderr or "SIGTERM" in result.stderr
     assert {entry["attempt"] for entry in _losses(log)} == {0, 1}
@@ -289,3 +299,226 @@ def test_lost_peer_fails_every_rank_naming_it(tmp_path: Path) -> None:
     assert reports[1][0] == 1 and "rank 1: lost rank 2 while" in reports[1][1]
     assert reports[0][0] == 1 and "rank 0: lost rank 1 while" in reports[0][1]
     assert "Rank 1 reported losing rank 2 first." in reports[0][1]
+
+
+# -- a stopped peer (SIGSTOP: alive, connections open, silent) costs timeout_s, named -------
+
+
+def _stopped_peer(rank: int, world_size: int, store: str, out: str, scenario: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),  # far above the pipeline's: it must not be the one
+    )
+    report: dict[str, Any] = {}
+    try:
+        STOPPED[scenario](rank, Path(out), report)
+        report["message"] = "finished"
+    except BaseException as error:  # what the rank reports as it exits
+        report["message"] = "".join(traceback.format_exception_only(type(error), error))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    os._exit(0)
+
+
+def _stop_in_tied_sum(rank: int, out: Path, report: dict[str, Any]) -> None:
+    """Rank 1 stops where it would sum the tied gradient: rank 0 waits in the tie's group."""
+    pipe = conveyor.Pipeline(tied_gpt(), loss_fn=gpt_loss, timeout_s=3.0)
+    inputs, targets = windows()[:8]
+    pipe.step(inputs, targets)  # the tie spans the two ranks
+    assert len(pipe.ties.params) == 1
+    if rank == 1:
+        pipe.ties.sum_gradients = lambda before: os.kill(os.getpid(), signal.SIGSTOP)  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        pipe.step(inputs, targets)
+    finally:
+        report["seconds"] = time.monotonic() - start
+
+
+def _stop_in_save(rank: int, out: Path, report: dict[str, Any]) -> None:
+    """Bad checkpoint directories fail at once; then rank 1 stops in a background save and
+    rank 0 leaves the ``with`` block, which waits for that save."""
+    read_only, a_file = out / "read-only", out / "a-file"
+    if rank == 0:
+        read_only.mkdir(mode=0o555)
+        a_file.write_text("not a directory")
+    dist.barrier()
+    with (
+        _as_unprivileged(),
+        pytest.raises(
+            CheckpointError,
+            match=rf"checkpoint {re.escape(str(read_only))}: cannot write into the checkpoint "
+            r"directory \(rank 0: PermissionError: .*; rank 1: PermissionError: .*\); make it "
+            "writable by every rank, or pass another directory",
+        ),
+    ):
+        Run(read_only, pipeline={"timeout_s": 3.0})
+    with pytest.raises(CheckpointError, match="a-file: is a file, not a directory"):
+        Run(a_file, pipeline={"timeout_s": 3.0})
+    os.environ[faults.ENV] = "checkpoint.after_data:rank=1:step=2:action=stop"
+    run = Run(out / "ckpt", pipeline={"timeout_s": 3.0})
+    report["timeout"] = run.ckpt.timeout.total_seconds()  # the pipeline's: none given
+    start = time.monotonic()
+    try:
+        with run.ckpt:
+            for step in (1, 2):
+                inputs, targets = next(run.batches)
+                run.pipe.step(inputs, targets)
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+                run.ckpt.maybe_save(step)  # step 2: rank 1 stops after writing its data
+            start = time.monotonic()
+    finally:
+        report["seconds"] = time.monotonic() - start
+
+
+STOPPED: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {
+    "tied": _stop_in_tied_sum,
+    "save": _stop_in_save,
+}
+
+
+@contextmanager
+def _as_unprivileged() -> Iterator[None]:
+    """This thread without CAP_DAC_OVERRIDE, so that root too is refused by file modes."""
+    if os.geteuid() != 0:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(header), data) == 0
+    saved = data[0].effective
+    data[0].effective = saved & ~(1 << 1)  # CAP_DAC_OVERRIDE
+    assert libc.capset(ctypes.byref(header), data) == 0
+    try:
+        yield
+    finally:
+        data[0].effective = saved
+        assert libc.capset(ctypes.byref(header), data) == 0
+
+
+def _stop(tmp_path: Path, scenario: str) -> dict[str, Any]:
+    """Run ``scenario`` on two ranks without a supervisor; rank 1 stops itself (SIGSTOP) in
+    it; returns rank 0's report once it has finished, then kills rank 1."""
+    out = tmp_path / scenario
+    out.mkdir()
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=_stopped_peer, args=(r, 2, str(out / "store"), str(out), scenario))
+        for r in range(2)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        processes[0].join(90)
+    finally:
+        for process in processes:
+            process.kill()
+    report: dict[str, Any] = json.loads((out / "rank0.json").read_text())
+    return report
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_stopped_peer_costs_the_timeout_and_is_named(tmp_path: Path) -> None:
+    """The peer is alive with its connections open, so no backend error comes: only the
+    timeouts (the pipeline's 3 s, for the tie's group and the checkpoint's too) end the wait,
+    and the heartbeat names the rank that stopped."""
+    tied = _stop(tmp_path, "tied")
+    assert (
+        "rank 0: lost rank 1 while summing tied gradients (waited at most 3s): its heartbeat "
+        "stopped, so it is stopped, hung or gone" in tied["message"]
+    ), tied
+    assert tied["seconds"] < 3.0 + 6.0, tied
+    save = _stop(tmp_path, "save")
+    assert save["timeout"] == 3.0
+    assert re.search(
+        r"CheckpointError: checkpoint \S+: saving step 2 failed: rank 0: lost rank 1 while "
+        r"\w+ step 2 \(waited at most 3s\): its heartbeat stopped",
+        save["message"],
+    ), save
+    assert save["seconds"] < 3.0 + 6.0, save
+
+
+# -- a rank whose step raised and that stays alive tells its peers at once ------------------
+
+
+class _Raising(nn.Module):
+    """The identity, until armed: then it raises, as a user's stage may."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Raising.armed:
+            raise ValueError("bad value in stage 2")
+        return x
+
+
+def _four_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Raising(), nn.Linear(8, 8)).double()
+
+
+def _abandoned_step(rank: int, world_size: int, root: str) -> None:
+    plan = Path(root, "plan.json")
+    if rank == 0:
+        plan.write_text(json.dumps({"pipeline": {"balance": [2, 2, 2]}}))
+    dist.barrier()
+    with pytest.raises(
+        ValueError,
+        match=rf"covers 6 layers but the model has 4.* plan file '{re.escape(str(plan))}'",
+    ):
+        conveyor.Pipeline(_four_layers(), plan=plan, loss_fn=F.mse_loss)
+    options: dict[str, Any] = {"balance": (1, 1, 2), "num_microbatches": 2, "timeout_s": 15.0}
+    pipe = conveyor.Pipeline(_four_layers(), loss_fn=F.mse_loss, **options)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pipe.step(x, x)
+    _Raising.armed = rank == 2
+    cause = "rank 2 abandoned step 1 after an error of its own: ValueError: bad value in stage 2"
+    expected = {
+        2: (ValueError, "^bad value in stage 2$"),
+        1: (PeerLostError, rf"^rank 1: lost rank 2 while [^:]+: {cause}\. Fix that error"),
+        0: (PeerLostError, rf"^rank 0: lost rank 1 while [^:]+: {cause} \(rank 1 went down"),
+    }
+    start = time.monotonic()
+    with pytest.raises(expected[rank][0], match=expected[rank][1]):
+        pipe.step(x, x)
+    assert time.monotonic() - start < 7.5, "told at once, not after timeout_s (15 s)"
+    with pytest.raises(RuntimeError, match=rf"rank {rank}: this Pipeline abandoned step 1 \("):
+        pipe.step(x, x)
+    _Raising.armed = False
+    fresh = conveyor.Pipeline(_four_layers(), loss_fn=F.mse_loss, **options)  # new connections
+    loss = fresh.step(x, x)
+    if rank == 2:
+        assert loss is not None
+        torch.testing.assert_close(loss, F.mse_loss(_four_layers()(x), x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.dist
+def test_a_rank_whose_step_raised_tells_its_peers_at_once(tmp_path: Path) -> None:
+    run_ranks(_abandoned_step, tmp_path, 3, timeout_s=120, root=str(tmp_path))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_conveyor_run_names_the_rank_that_failed_not_the_first_to_exit(tmp_path: Path) -> None:
+    """Rank 1's stage raises: both ranks exit (rank 0 with PeerLostError), in an order
+    torchrun may see either way; the summary names rank 1 and its error."""
+    result, _, _ = _conveyor_run(tmp_path, "raised", 2, ["forward:rank=1:step=1:action=enospc"], 0)
+    assert result.returncode == 1
+    assert re.search(
+        r"rank 1 (\(local rank 1\) )?failed first: .*rank 1 abandoned step 1 after an error "
+        r"of its own: OSError: \[Errno 28\] No space left on device",
+        result.stderr,
+    ), result.stderr[-3000:]

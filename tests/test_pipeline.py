@@ -17,7 +17,7 @@ from torch import nn
 import conveyor
 from conveyor.models import gpt, gpt_loss, text_batches
 from conveyor.runtime.backward import backward_input
-from conveyor.runtime.comm import PeerLostError
+from conveyor.runtime.peers import PeerLostError
 from dist import run_ranks
 
 pytestmark = pytest.mark.dist

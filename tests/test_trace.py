@@ -64,7 +64,17 @@ def test_summary_splits_each_rank_into_busy_comm_wait_and_bubble() -> None:
 def test_events_know_their_kind_stage_and_microbatch() -> None:
     kinds = {
         a: Event(0, a, 0, 1).kind
-        for a in ("1F2", "1B2", "1I2", "1W2", "0SF3>1", "1RB0<2", "wait 1RF0<0", "wait sends")
+        for a in (
+            "1F2",
+            "1B2",
+            "1I2",
+            "1W2",
+            "0SF3>1",
+            "1RB0<2",
+            "wait 1RF0<0",
+            "wait sends",
+            "recompute 1F2",
+        )
     }
     assert kinds == {
         "1F2": "forward",
@@ -75,6 +85,7 @@ def test_events_know_their_kind_stage_and_microbatch() -> None:
         "1RB0<2": "recv",
         "wait 1RF0<0": "wait",
         "wait sends": "wait",
+        "recompute 1F2": "recompute",
     }
     assert (Event(0, "3I12", 0, 1).stage, Event(0, "3I12", 0, 1).microbatch) == (3, 12)
     assert Event(0, "wait 1RF0<0", 0, 1).waited_for == "1RF0<0"
@@ -185,9 +196,9 @@ def test_chrome_trace_has_one_track_per_rank_and_timeline(tmp_path: Path) -> Non
 
 
 def test_png_gantt_chart_is_written(tmp_path: Path) -> None:
-    path = write_png(
-        tmp_path / "t.png", _two_ranks(), _two_ranks().shifted(-1.0), title="side by side"
-    )
+    recomputed = _two_ranks()
+    recomputed.events.append(Event(0, "recompute 0F0", 3.0, 4.0))  # inside 0B0
+    path = write_png(tmp_path / "t.png", recomputed, _two_ranks().shifted(-1.0), title="two")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     with pytest.raises(ValueError, match="at least one timeline"):
         write_png(tmp_path / "none.png")
@@ -262,6 +273,18 @@ def _recorded_worker(rank: int, world_size: int, root: str) -> None:
         assert timeline.peak_memory(rank) == traced.memory().peak_bytes
         if rank == 0:
             Path(root, f"{name}.json").write_text(json.dumps(timeline.to_dict()))
+    recomputing = Pipeline(
+        _model(), trace=True, checkpoint="always", loss_fn=_loss, balance=(3, 2), num_microbatches=4
+    )
+    recomputing.step(inputs, targets)
+    timeline = recomputing.timeline()
+    for r in range(world_size):  # its own kind, inside the backward it belongs to
+        events = timeline.on(r)
+        redone = [e for e in events if e.kind == "recompute"]
+        assert [e.action for e in redone] == [f"recompute {r}F{k}" for k in range(4)], r
+        for e in redone:
+            backward = next(b for b in events if b.action == f"{r}B{e.microbatch}")
+            assert backward.start <= e.start <= e.end <= backward.end, (e, backward)
 
 
 @pytest.mark.dist
@@ -308,6 +331,36 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
         "simulated rank 0",
         "simulated rank 1",
     }
+
+
+def test_trace_command_writes_only_what_is_asked_for_and_a_range_of_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conveyor.cli import main
+
+    steps = {s: [["0F0", 10.0 * s, 10.0 * s + 1, 0, 0]] for s in (3, 4)}
+    later = {s: [["1F0", 10.0 * s + 0.5, 10.0 * s + 2, 0, 0]] for s in steps}
+    _write_run(tmp_path, {0: steps, 1: later})
+    png = tmp_path / "out" / "steps.png"
+    png.parent.mkdir()
+    assert main(["trace", str(tmp_path), "--step", "3-4", "--png", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "trace.json").exists() and not (tmp_path / "timeline.png").exists()
+    assert "measured schedule=1f1b: steps 3-4 11500.00 ms" in capsys.readouterr().out
+    both = load_run(tmp_path, 3, 4)  # each step from when the last rank entered it (at x.5)
+    assert [(e.rank, e.action, e.start, e.end) for e in both.events] == [
+        (0, "0F0", 0.0, 0.5),
+        (0, "0F0", 10.0, 10.5),  # on one axis from step 3's start: the gap is kept
+        (1, "1F0", 0.0, 1.5),
+        (1, "1F0", 10.0, 11.5),
+    ]
+    assert both.meta["steps"] == [3, 4] and "step" not in both.meta
+    chrome = tmp_path / "out" / "one.json"
+    assert main(["trace", str(tmp_path), "--step", "4", "--chrome", str(chrome)]) == 0
+    assert json.loads(chrome.read_text())["traceEvents"]
+    assert not (tmp_path / "timeline.png").exists()
+    with pytest.raises(ValueError, match="step 5 was not recorded by every rank"):
+        load_run(tmp_path, 3, 5)
 
 
 def test_run_options_are_taken_before_the_script_only(

@@ -17,7 +17,7 @@ from conveyor.pipeline import Pipeline
 from conveyor.planner import PlanReport, Workload, plan, profile_model
 from conveyor.program import Action, Program
 from conveyor.runtime.batchnorm import DeferredBatchNorm
-from conveyor.runtime.comm import PeerLostError
+from conveyor.runtime.peers import PeerLostError
 from conveyor.runtime.rng import microbatch_seed
 from conveyor.schedule import SCHEDULES, ProgramError, build_program, validate
 from conveyor.simulator import simulate

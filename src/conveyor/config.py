@@ -376,13 +376,15 @@ class CheckpointConfig:
     allow_numerics_change: bool = False
     """Also load one saved with another schedule, micro-batch count, loss reduction or seed:
     the state loads bitwise, but later losses differ (summation order, dropout streams)."""
-    timeout_s: float = 300.0
-    """Longest wait for the other ranks inside a checkpoint save or load."""
+    timeout_s: float | None = None
+    """Longest wait for the other ranks inside a checkpoint save, load or close; then the rank
+    fails naming the lost one. Default: the pipeline's timeout_s. Raise it when the slowest
+    rank's write of one checkpoint takes longer (the others wait for it)."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"every must be >= 1 step, got {self.every}")
         if self.keep < 0:
             raise ValueError(f"keep must be >= 0 (0 keeps every checkpoint), got {self.keep}")
-        if self.timeout_s <= 0:
+        if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = DemoConfig(**json.loads(args.demo))
     pipeline = PipelineConfig.from_dict(json.loads(args.pipeline), "--pipeline")
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # an entry point, like cli
-    dist.init_process_group("gloo")
+    # its barrier waits as long as the pipeline does, no longer
+    dist.init_process_group("gloo", timeout=timedelta(seconds=pipeline.timeout_s))
     try:
         train(demo, pipeline)
     finally:

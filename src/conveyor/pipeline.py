@@ -7,6 +7,7 @@ import logging
 import os
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from conveyor.config import PipelineConfig, resolve
+from conveyor.config import PLAN_ENV, PipelineConfig, resolve
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
@@ -98,15 +99,9 @@ class Pipeline:
         if not isinstance(model, StageGraph):
             config = self.config = _with_layout(config, self.num_ranks)
         self._model = model
-        self.split_points, self.graph = _split(
-            model, config, self.num_ranks, concrete_args, example_inputs
+        self.split_points, self.graph = _split_as_planned(
+            model, config, self.num_ranks, concrete_args, example_inputs, plan
         )
-        if self.graph.num_ranks != self.num_ranks:
-            raise ValueError(
-                f"the split places stages on {self.graph.num_ranks} ranks but the "
-                f"process group has {self.num_ranks}; launch with "
-                f"`conveyor run -n {self.graph.num_ranks}` or change the split"
-            )
         self.topology = self.graph.topology()
         if (
             config.stage_checkpoint is not None
@@ -137,10 +132,16 @@ class Pipeline:
                 self.rank,
                 list(self.stages),
             )
-        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
+        timeout = timedelta(seconds=config.timeout_s)
+        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group, timeout)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
-        p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
+        p2p = self._p2p = P2P(group, self.device, timeout)
+        self.peers = p2p.peers
+        """Names lost peers in errors (conveyor.runtime.peers); the Checkpointer uses it too."""
+        self._abandoned: str | None = None
+        """What this Pipeline abandoned, after which it refuses to run; See Note [abandoned
+        step] in conveyor.runtime.comm."""
         self._runtime = Runtime(
             self.graph,
             self.rank,
@@ -232,9 +233,12 @@ class Pipeline:
         if recorder is not None:
             recorder.begin_step(self.step_index)
         self._check_loss(targets)
+        self._check_usable()
         before = self.ties.gradients()
-        state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
-        self.ties.sum_gradients(before)
+        step_inputs = self._inputs(inputs, targets, True)
+        with self._abandoning(f"step {self.step_index}"):
+            state = self._runtime.run(self.program[self.rank], step_inputs)
+            self._sum_tied_gradients(before)
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1
@@ -264,8 +268,10 @@ class Pipeline:
 
     def forward(self, inputs: Any) -> Any:
         """Inference: the model's output for ``inputs`` on the last stage's rank, else None."""
-        with torch.no_grad():
-            state = self._runtime.run(self._inference[self.rank], self._inputs(inputs, None, False))
+        self._check_usable()
+        step_inputs = self._inputs(inputs, None, False)
+        with torch.no_grad(), self._abandoning("a forward"):
+            state = self._runtime.run(self._inference[self.rank], step_inputs)
         if not state.model_outputs:
             return None
         return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
@@ -284,6 +290,39 @@ class Pipeline:
             module.compile(**options)
         self._runtime.compile_timeout = timedelta(seconds=self.config.compile_timeout_s)
         return self
+
+    @contextmanager
+    def _abandoning(self, doing: str) -> Iterator[None]:
+        """On any error, tell the other ranks that this rank gives up ``doing``, and refuse
+        to run again; See Note [abandoned step] in conveyor.runtime.comm."""
+        try:
+            yield
+        except BaseException as error:  # Ctrl-C too: the peers must not wait for this rank
+            text = " ".join(str(error).split())
+            text = text if len(text) <= 200 else text[:197] + "..."
+            self._abandoned = f"{doing} ({type(error).__name__}: {text})"
+            try:
+                self._p2p.abandon(doing, error)
+            except Exception as failure:  # keep the step's own error: it is the cause
+                logger.warning("[rank %d] could not tell the other ranks: %s", self.rank, failure)
+            raise
+
+    def _check_usable(self) -> None:
+        if self._abandoned is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: this Pipeline abandoned {self._abandoned} and closed its "
+                "connections to the other ranks; create a new Pipeline on every rank to go on "
+                "(over a new process group if you passed group=...)"
+            )
+        self._p2p.check_open()
+
+    def _sum_tied_gradients(self, before: list[torch.Tensor | None]) -> None:
+        try:
+            self.ties.sum_gradients(before)
+        except RuntimeError as error:  # the backend's: a rank of a tie is lost
+            ranks = sorted({r for *_, g, _ in self.ties.params for r in _members(g)})
+            timeout = timedelta(seconds=self.config.timeout_s)
+            raise self.peers.lost_in(ranks, "summing tied gradients", error, timeout) from error
 
     # -- timelines -------------------------------------------------------------------------
 
@@ -453,6 +492,38 @@ def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
     return f"graph depth={graph.depth} edges={edges}"
 
 
+def _split_as_planned(
+    model: nn.Module | StageGraph,
+    config: PipelineConfig,
+    num_ranks: int,
+    concrete_args: dict[str, Any] | None,
+    example_inputs: Any,
+    plan: str | os.PathLike[str] | None,
+) -> tuple[tuple[str, ...], StageGraph]:
+    """``_split``, checked against the number of ranks; when a plan file set the config
+    (``plan=`` or ``conveyor run --plan``), an error says so: a plan fits the model and the
+    ranks it was made for."""
+    try:
+        split_points, graph = _split(model, config, num_ranks, concrete_args, example_inputs)
+        if graph.num_ranks != num_ranks:
+            raise ValueError(
+                f"the split places stages on {graph.num_ranks} ranks but the "
+                f"process group has {num_ranks}; launch with "
+                f"`conveyor run -n {graph.num_ranks}` or change the split"
+            )
+    except (ValueError, TypeError) as error:
+        source = os.environ.get(PLAN_ENV) or plan
+        if source is None:
+            raise
+        kind = ValueError if isinstance(error, ValueError) else TypeError
+        raise kind(
+            f"{error} (the split comes from plan file {str(source)!r}, which does not fit "
+            "this model on these ranks; make a plan for it with `conveyor plan ... --out "
+            "FILE`, or leave the plan out)"
+        ) from error
+    return split_points, graph
+
+
 def _split(
     model: nn.Module | StageGraph,
     config: PipelineConfig,
@@ -548,3 +619,8 @@ def _signature(chunk: dict[str, Any], device: torch.device) -> str:
     meta = Meta.of(chunk)
     leaves = [(leaf.shape, leaf.dtype, leaf.constant) for leaf in meta.leaves]
     return repr((meta.spec, leaves, autocast_state(device)))
+
+
+def _members(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` (None: the world)."""
+    return dist.get_process_group_ranks(group or dist.group.WORLD)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from conveyor.graph import StageGraph
 from conveyor.program import Action, Kind, Program, matching_recv, receives_needed
-from conveyor.trace import WAIT, Event, Timeline
+from conveyor.trace import RECOMPUTE, WAIT, Event, Timeline
 
 __all__ = ["CostModel", "DeadlockError", "Execution", "UnitCost", "execute", "simulate"]
 
@@ -32,8 +32,9 @@ class CostModel(Protocol):
     takes on its own rank), ``wait(action)`` (collecting an arrived message),
     ``activation_bytes(stage, microbatch)`` (bytes held from a forward until its backward
     ends), ``activation_after_input(stage, microbatch)`` (bytes still held between a split
-    backward's I and W) and ``resident_bytes(stage)`` (bytes held while any micro-batch of the
-    stage is); they default to zero.
+    backward's I and W), ``resident_bytes(stage)`` (bytes held while any micro-batch of the
+    stage is) and ``recompute(action)`` (the part of a backward's time that recomputes its
+    forward, shown as its own event); they default to zero.
     """
 
     def compute(self, action: Action) -> float: ...
@@ -142,6 +143,7 @@ class _Execution:
         self.activation = getattr(cost, "activation_bytes", None)
         self.after_input = getattr(cost, "activation_after_input", None)
         self.resident = getattr(cost, "resident_bytes", None)
+        self.recompute = getattr(cost, "recompute", None)
 
     def run(self) -> Timeline:
         program = self.program
@@ -240,6 +242,10 @@ class _Execution:
         self._account(rank, action)
         if self.record:
             self.events.append(Event(rank, str(action), clock, end, memory=self.held[rank]))
+            redo = self.recompute(action) if self.recompute else 0.0
+            if redo > 0:  # a recomputed forward runs first in its backward
+                forward = f"{action.stage}F{action.microbatch}"
+                self.events.append(Event(rank, f"{RECOMPUTE} {forward}", clock, clock + redo))
         self.peak[rank] = max(self.peak[rank], self.held[rank])
         self.busy[rank] += end - clock
         self.clock[rank] = end

@@ -7,6 +7,7 @@ back to a public API where one exists.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,8 +19,45 @@ import torch.distributed as dist
 # would disagree with it. Replace with ``torch.utils.pytree`` once torch makes it public.
 import torch.utils._pytree as pytree
 
-__all__ = ["default_store", "flatten_state_dict", "grad_unchecked", "pytree", "tensor_version"]
+__all__ = [
+    "close_gloo_group",
+    "default_store",
+    "flatten_state_dict",
+    "grad_unchecked",
+    "pytree",
+    "tensor_version",
+]
 """Internal to conveyor: listed so that its modules may import them."""
+
+
+_CLOSING_TAG = 0x0C0FFEE
+"""A point-to-point tag conveyor never sends on (it sends on tag 0)."""
+
+
+def close_gloo_group(group: dist.ProcessGroup) -> None:
+    """Close this rank's connections in the gloo ``group``, so that every peer blocked on one
+    of them fails at once ("Connection closed by peer"), as if this process had died.
+
+    gloo has no call for it: ``ProcessGroup.abort()``, ``shutdown()`` and
+    ``destroy_process_group`` leave the connections open (measured on torch 2.13: a peer's
+    pending receive still waits its whole timeout). A wait that times out does close them:
+    gloo then signals the timeout to every connection of the group's context
+    (gloo/transport/tcp/unbound_buffer.cc, ``Context::signalException``). So this posts a
+    receive on a tag no one sends to and lets its wait time out after 1 ms, from each peer in
+    turn, as the receive from a peer already gone fails at once, without the timeout that
+    closes the others. Replace it with
+    ``ProcessGroup.abort()`` once gloo implements it. The group is unusable afterwards.
+    """
+    rank = dist.get_rank(group)
+    for peer in range(dist.get_world_size(group)):  # a closed connection fails at once: next
+        if peer == rank:
+            continue
+        try:
+            work = dist.irecv(torch.empty(1), group=group, group_src=peer, tag=_CLOSING_TAG)
+            assert work is not None
+            work.wait(timedelta(milliseconds=1))
+        except RuntimeError:  # the timeout, which closed the connections, or a closed one
+            continue
 
 
 def default_store() -> torch._C._distributed_c10d.Store | None:

@@ -22,6 +22,7 @@ from typing import Any
 from conveyor.files import atomic_path, write_atomic
 
 __all__ = [
+    "RECOMPUTE",
     "WAIT",
     "Event",
     "RankSummary",
@@ -39,6 +40,10 @@ __all__ = [
 WAIT = "wait"
 """Action name prefix of a wait: ``wait 1RF0<0`` is time blocked on that receive,
 ``wait sends`` the wait for outstanding sends at the end of a step."""
+
+RECOMPUTE = "recompute"
+"""Action name prefix of a recomputation: ``recompute 1F0`` is stage 1 running micro-batch 0's
+forward again inside its backward (activation checkpointing); the backward's event spans it."""
 
 _ACTION = re.compile(r"^(\d+)(F|B|I|W|SF|RF|SB|RB)(\d+)(?:[<>](\d+))?$")
 _KIND_NAMES = {
@@ -59,7 +64,8 @@ class Event:
 
     rank: int
     action: str
-    """The action's text form (``1F0``, ``0SF0>1``), or ``wait <receive>`` / ``wait sends``."""
+    """The action's text form (``1F0``, ``0SF0>1``), ``wait <receive>`` / ``wait sends``, or
+    ``recompute <forward>``."""
     start: float
     end: float
     bytes: int = 0
@@ -73,9 +79,12 @@ class Event:
 
     @property
     def kind(self) -> str:
-        """'forward', 'backward', 'backward_input', 'backward_weight', 'send', 'recv', 'wait'."""
+        """'forward', 'backward', 'backward_input', 'backward_weight', 'send', 'recv', 'wait',
+        'recompute'."""
         if self.action.startswith(WAIT):
             return "wait"
+        if self.action.startswith(RECOMPUTE + " "):
+            return "recompute"
         match = _ACTION.match(self.action)
         return _KIND_NAMES[match.group(2)] if match else "other"
 
@@ -85,12 +94,12 @@ class Event:
 
     @property
     def microbatch(self) -> int | None:
-        match = _ACTION.match(self.action)
+        match = _ACTION.match(self.action.removeprefix(RECOMPUTE + " "))
         return int(match.group(3)) if match else None
 
     @property
     def stage(self) -> int | None:
-        match = _ACTION.match(self.action)
+        match = _ACTION.match(self.action.removeprefix(RECOMPUTE + " "))
         return int(match.group(1)) if match else None
 
     @property
@@ -166,14 +175,21 @@ class Timeline:
         that, the rank waits for the peer's compute: a bubble); sends, posted receives and the
         final wait for outstanding sends count whole.
         """
-        sends = {e.action: e.start for e in self.events if e.kind == "send"}
+        sends: dict[str, list[float]] = {}  # several steps send under one name: in time order
+        for e in sorted(self.events, key=lambda e: e.start):
+            if e.kind == "send":
+                sends.setdefault(e.action, []).append(e.start)
         total = 0.0
         for event in self.on(rank):
             if event.kind in ("send", "recv"):
                 total += event.duration
             elif event.kind == "wait":
                 target = event.waited_for
-                sent = sends.get(_matching_send(target)) if target else None
+                sent = (
+                    _last_before(sends.get(_matching_send(target), []), event.end)
+                    if target
+                    else None
+                )
                 begin = event.start if sent is None else max(event.start, sent)
                 total += max(0.0, event.end - begin)
         return total
@@ -205,18 +221,20 @@ class Timeline:
         return "\n".join(lines)
 
     def title(self) -> str:
-        """One line: source, what ran, step time and bubble fraction."""
+        """One line: source, what ran, step time (or the span of several steps) and bubble
+        fraction."""
         what = " ".join(
             f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches") if k in self.meta
         )
-        step = (
+        duration = (
             f"{self.step_time:g} units"
             if self.meta.get("time_unit") == "units"
             else f"{self.step_time * 1e3:.2f} ms"
         )
+        first, last = self.meta.get("steps", (None, None))
+        span = f"steps {first}-{last} {duration}" if first != last else f"step {duration}"
         return (
-            f"{self.source}{' ' + what if what else ''}: step {step}, "
-            f"bubble {self.bubble_fraction:.1%}"
+            f"{self.source}{' ' + what if what else ''}: {span}, bubble {self.bubble_fraction:.1%}"
         )
 
     def shifted(self, origin: float) -> Timeline:
@@ -262,6 +280,12 @@ class Timeline:
 def _is_compute(action: str) -> bool:
     match = _ACTION.match(action)
     return match is not None and len(match.group(2)) == 1
+
+
+def _last_before(times: list[float], moment: float) -> float | None:
+    """The latest of the sorted ``times`` not after ``moment`` (else the first, or None)."""
+    earlier = [t for t in times if t <= moment]
+    return earlier[-1] if earlier else (times[0] if times else None)
 
 
 def _matching_send(recv: str) -> str:
@@ -344,6 +368,10 @@ class Recorder:
         self.events.append(Event(self.rank, f"{WAIT} {describe}", start, end, bytes))
         self._wait_end = end
 
+    def recompute(self, forward: str, start: float, end: float) -> None:
+        """Record a recomputation of ``forward`` (``1F0``) inside the backward now running."""
+        self.events.append(Event(self.rank, f"{RECOMPUTE} {forward}", start, end))
+
     def sent(self, num_bytes: int) -> None:
         """Bytes handed to the transport by the action now running."""
         self._pending_bytes += num_bytes
@@ -381,32 +409,66 @@ def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Time
     early waits for the others inside its first receive, and that wait belongs to no step, so
     events are clipped to start no earlier than that moment (time 0).
     """
-    events = sorted((e for part in parts for e in part.events), key=lambda e: (e.rank, e.start))
+    events, origin = _clipped(parts)
     num_ranks = max((p.num_ranks for p in parts), default=0)
-    starts = [min(e.start for e in part.events) for part in parts if part.events]
-    origin = max(starts, default=0.0)
+    return Timeline(num_ranks, events, "measured", dict(meta or {})).shifted(origin)
+
+
+def _clipped(parts: Sequence[Timeline]) -> tuple[list[Event], float]:
+    """The events of one step's per-rank parts, clipped to start when the last rank entered
+    the step, sorted by rank and start; and that moment."""
+    events = sorted((e for part in parts for e in part.events), key=lambda e: (e.rank, e.start))
+    origin = max((min(e.start for e in part.events) for part in parts if part.events), default=0.0)
     clipped = [
-        Event(
-            e.rank,
-            e.action,
-            max(e.start, origin) - origin,
-            max(e.end, origin) - origin,
-            e.bytes,
-            e.memory,
-        )
+        Event(e.rank, e.action, max(e.start, origin), max(e.end, origin), e.bytes, e.memory)
         for e in events
     ]
-    return Timeline(num_ranks, clipped, "measured", dict(meta or {}))
+    return clipped, origin
 
 
-def load_run(directory: str | Path, step: int | None = None) -> Timeline:
+def load_run(
+    directory: str | Path, step: int | None = None, last_step: int | None = None
+) -> Timeline:
     """The Timeline of one step of a run recorded with ``--trace DIR`` (default: the last step
-    every rank recorded).
+    every rank recorded), or of steps ``step`` to ``last_step`` on one time axis (the time
+    between them, the optimizer's, shows as idle).
 
     Raises:
         FileNotFoundError: the directory holds no ``rank*.jsonl`` files.
-        ValueError: the requested step was not recorded by every rank.
+        ValueError: a requested step was not recorded by every rank.
     """
+    per_rank, meta = _read_run(directory)
+    common = set.intersection(*(set(steps) for steps in per_rank.values()))
+    if not common:
+        raise ValueError(f"the ranks in {str(directory)!r} recorded no step in common")
+    first = max(common) if step is None else step
+    last = first if last_step is None else last_step
+    if last < first:
+        raise ValueError(f"steps {first}-{last}: the last step comes before the first")
+    missing = [s for s in range(first, last + 1) if s not in common]
+    if missing:
+        raise ValueError(
+            f"step {missing[0]} was not recorded by every rank; recorded steps: "
+            f"{min(common)}..{max(common)}"
+        )
+    num_ranks = int(meta["ranks"])
+    events: list[Event] = []
+    origins = []
+    for chosen in range(first, last + 1):
+        parts = [
+            Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
+            for rank, rows in per_rank.items()
+        ]
+        clipped, origin = _clipped(parts)
+        events += clipped
+        origins.append(origin)
+    events.sort(key=lambda e: (e.rank, e.start))
+    where = {"step": first} if first == last else {"steps": [first, last]}
+    return Timeline(num_ranks, events, "measured", {**meta, **where}).shifted(origins[0])
+
+
+def _read_run(directory: str | Path) -> tuple[dict[int, dict[int, list[Any]]], dict[str, Any]]:
+    """Each rank's recorded steps (step -> event rows) and the run's meta, from its files."""
     files = sorted(Path(directory).glob("rank*.jsonl"))
     if not files:
         raise FileNotFoundError(
@@ -423,26 +485,13 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
         per_rank[int(head["rank"])] = {
             row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))
         }
-    num_ranks = int(meta.get("ranks", 1 + max(per_rank)))
-    common = set.intersection(*(set(steps) for steps in per_rank.values()))
-    if len(per_rank) < num_ranks:
+    meta.setdefault("ranks", 1 + max(per_rank))
+    if len(per_rank) < int(meta["ranks"]):
         raise ValueError(
             f"{str(directory)!r} holds trace files of ranks {sorted(per_rank)}, but "
-            f"the run had {num_ranks} ranks; copy every rank's rank<N>.jsonl there"
+            f"the run had {meta['ranks']} ranks; copy every rank's rank<N>.jsonl there"
         )
-    if not common:
-        raise ValueError(f"the ranks in {str(directory)!r} recorded no step in common")
-    chosen = max(common) if step is None else step
-    if chosen not in common:
-        raise ValueError(
-            f"step {chosen} was not recorded by every rank; recorded steps: "
-            f"{min(common)}..{max(common)}"
-        )
-    parts = [
-        Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
-        for rank, rows in per_rank.items()
-    ]
-    return merge(parts, {**meta, "step": chosen})
+    return per_rank, meta
 
 
 # -- renderers -------------------------------------------------------------------------------
@@ -540,6 +589,7 @@ _COLORS = {
     "backward": "#55A868",
     "backward_input": "#8FBC5A",
     "backward_weight": "#2E7D4F",
+    "recompute": "#8172B2",
     "send": "#C44E52",
     "recv": "#DD8452",
     "wait": "#D0D0D0",
@@ -552,8 +602,9 @@ def write_png(
 ) -> Path:
     """A Gantt chart per timeline, stacked (measured above predicted, say), sharing the x axis.
 
-    Compute blocks carry their micro-batch number; white space is the bubble; waits on peers
-    are thin grey bars and sends/receives thin red/orange ticks under each row. The title of
+    Compute blocks carry their micro-batch number; white space is the bubble; the part of a
+    backward that recomputes its forward is purple; waits on peers are thin grey bars and
+    sends/receives thin red/orange ticks under each row. The title of
     each chart gives its step time and bubble fraction.
     """
     import matplotlib
@@ -585,6 +636,7 @@ def write_png(
             "backward",
             "backward_input",
             "backward_weight",
+            "recompute",
             "wait",
             "send",
             "recv",
@@ -629,6 +681,8 @@ def _gantt(ax: Any, timeline: Timeline, unit: float, span: float) -> None:
                         fontsize=7,
                         color="white",
                     )
+            elif e.kind == "recompute":  # over the part of its backward that it takes
+                ax.barh(y, width, left=left, height=0.8, color=_COLORS["recompute"], zorder=3)
             elif e.kind == "wait":
                 ax.barh(y - 0.3, width, left=left, height=0.12, color=_COLORS["wait"])
             else:

@@ -11,8 +11,9 @@ import os
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -55,6 +56,7 @@ from conveyor.checkpoint.writer import Writer
 from conveyor.config import CHECKPOINT_DIR_ENV, CheckpointConfig
 from conveyor.pipeline import Pipeline
 from conveyor.runtime import faults
+from conveyor.runtime.peers import PeerLostError
 
 __all__ = ["Checkpointer", "SaveRecord"]
 
@@ -146,13 +148,16 @@ class Checkpointer:
         self._module = rank_module(pipe)
         _check_optimizer(optimizer, self._module)
         ranks = None if pipe.group is None else dist.get_process_group_ranks(pipe.group)
+        self.timeout = timedelta(seconds=config.timeout_s or pipe.config.timeout_s)
+        """Longest wait for the other ranks: CheckpointConfig.timeout_s, else the pipeline's."""
         # only the pipeline's ranks take part, so each pipeline of a larger job has its own
         self._group = dist.new_group(
             ranks,
             backend="gloo",
             use_local_synchronization=True,
-            timeout=timedelta(seconds=config.timeout_s),
+            timeout=self.timeout,
         )
+        self._ranks = dist.get_process_group_ranks(self._group)
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
         self.is_coordinator = self.rank == 0
@@ -171,7 +176,8 @@ class Checkpointer:
         self.skipped: list[CheckpointError] = []
         """Invalid checkpoints that ``resume_latest`` passed over."""
         self._hooks = faults.install(pipe, optimizer)
-        self._run_id = self._on_coordinator(self._start)
+        self._run_id = self._on_coordinator(self._start, "creating the checkpoint directory")
+        self._check_writable()
         atexit.register(_report_unfinished, weakref.ref(self))
 
     # -- saving --------------------------------------------------------------------------
@@ -208,12 +214,13 @@ class Checkpointer:
         )
         self.saves.append(record)
         if self.config.async_save:
-            upload = async_save(
-                state,
-                storage_writer=job.writer,
-                process_group=self._group,
-                async_stager=self._stager,
-            )
+            with self._naming_lost(f"saving step {step}"):
+                upload = async_save(
+                    state,
+                    storage_writer=job.writer,
+                    process_group=self._group,
+                    async_stager=self._stager,
+                )
             job.upload = (
                 upload.upload_completion if isinstance(upload, AsyncSaveResponse) else upload
             )
@@ -303,8 +310,8 @@ class Checkpointer:
                 job.temporary,
                 None,
                 f"saving step {job.step} failed: "
-                f"{_summary(error)}; the checkpoint was not published and "
-                f"earlier ones in {self.directory} are untouched",
+                f"{self._describe(error, f'saving step {job.step}')}; the checkpoint was not "
+                f"published and earlier ones in {self.directory} are untouched",
             ) from None
         faults.fire("checkpoint.after_metadata", step=job.step)
         reports: list[Any] = [None] * self.world_size if self.is_coordinator else []
@@ -317,15 +324,19 @@ class Checkpointer:
             )
             if not self.is_coordinator:
                 faults.fire("checkpoint.before_rename", step=job.step)
-            path, num_bytes = self._on_coordinator(lambda: self._publish(job, reports))
+            path, num_bytes = self._on_coordinator(
+                lambda: self._publish(job, reports), f"publishing step {job.step}"
+            )
         except CheckpointError:
             self._discard(job)
             raise
         except RuntimeError as error:  # the backend's error for a rank that went away
+            doing = f"publishing step {job.step}"
             raise CheckpointError(
                 job.temporary,
                 None,
-                f"saving step {job.step} failed while the ranks coordinated: {error}",
+                f"saving step {job.step} failed while the ranks coordinated: "
+                f"{self._describe(error, doing)}",
             ) from error
         job.record.path = Path(path)
         job.record.num_bytes = num_bytes
@@ -400,6 +411,13 @@ class Checkpointer:
     def _start(self) -> str:
         """The coordinator's start-up: create the directory, sweep what interrupted saves
         and deletions left behind, and pick this run's id for temporary names."""
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(
+                self.directory,
+                None,
+                "is a file, not a directory; pass a directory for the checkpoints (it is "
+                "created if missing), or move the file away",
+            )
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             names = os.listdir(self.directory)
@@ -411,7 +429,31 @@ class Checkpointer:
             if name.startswith((".tmp-", ".deleting-")):
                 logger.info("removing %s, left by an interrupted save or deletion", name)
                 remove_dir(self.directory / name, f".deleting-{name}-swept")
+            elif name.startswith(".probe-"):  # left by an interrupted _check_writable
+                (self.directory / name).unlink(missing_ok=True)
         return uuid.uuid4().hex[:8]
+
+    def _check_writable(self) -> None:
+        """Every rank writes its own files into the directory: find out now, not at the first
+        save, if one cannot (read-only, no permission, no space)."""
+        probe = self.directory / f".probe-{self._run_id}-{self.rank}"
+        problem = None
+        try:
+            probe.write_bytes(b"conveyor")
+            probe.unlink()
+        except OSError as error:
+            problem = f"{type(error).__name__}: {error}"
+        problems: list[Any] = [None] * self.world_size
+        with self._naming_lost("checking the checkpoint directory"):
+            dist.all_gather_object(problems, problem, group=self._group)
+        failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
+        if failed:
+            raise CheckpointError(
+                self.directory,
+                None,
+                f"cannot write into the checkpoint directory ({'; '.join(failed)}); make it "
+                "writable by every rank, or pass another directory",
+            )
 
     # -- loading -------------------------------------------------------------------------
 
@@ -427,11 +469,14 @@ class Checkpointer:
                 does not fit this run.
         """
         self.wait()
-        found = self._on_coordinator(lambda: [str(p) for _, p in list_checkpoints(self.directory)])
+        found = self._on_coordinator(
+            lambda: [str(p) for _, p in list_checkpoints(self.directory)], "listing checkpoints"
+        )
         self.skipped = []
         for path in map(Path, found):
             try:
-                manifest = verify_on_ranks(path, self._group)
+                with self._naming_lost(f"verifying {path.name}"):
+                    manifest = verify_on_ranks(path, self._group)
             except CheckpointError as error:
                 if self.is_coordinator:
                     logger.warning("skipping invalid checkpoint: %s", error)
@@ -470,7 +515,8 @@ class Checkpointer:
         """
         self.wait()
         checkpoint = Path(path).absolute()
-        manifest = verify_on_ranks(checkpoint, self._group)
+        with self._naming_lost(f"verifying {checkpoint.name}"):
+            manifest = verify_on_ranks(checkpoint, self._group)
         return self._load(
             checkpoint,
             manifest,
@@ -493,12 +539,14 @@ class Checkpointer:
         )
         metadata = FileSystemReader(path).read_metadata()
         state = self._state_to_load(metadata)
-        problems = check_keys(state, metadata, self._group)
+        with self._naming_lost(f"loading {path.name}"):
+            problems = check_keys(state, metadata, self._group)
         raise_problems(path, problems)
         try:
             load(state, storage_reader=FileSystemReader(path), process_group=self._group)
         except (Exception, CheckpointException) as error:
-            raise CheckpointError(path, None, f"loading failed: {_summary(error)}") from None
+            cause = self._describe(error, f"loading {path.name}")
+            raise CheckpointError(path, None, f"loading failed: {cause}") from None
         finally:
             self._random.source_rank, self._random.keys = self.rank, None
             if self._optimizer is not None:
@@ -526,7 +574,24 @@ class Checkpointer:
         self._random.keys = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
         return self._state()
 
-    def _on_coordinator(self, fn: Callable[[], _T]) -> _T:
+    @contextmanager
+    def _naming_lost(self, doing: str) -> Iterator[None]:
+        """Turn the backend's error for a lost rank into a PeerLostError that names it."""
+        try:
+            yield
+        except (CheckpointError, PeerLostError):
+            raise
+        except RuntimeError as error:
+            raise self.pipe.peers.lost_in(self._ranks, doing, error, self.timeout) from error
+
+    def _describe(self, error: BaseException, doing: str) -> str:
+        """A save's or load's error on one line: DCP's own, one line per failed rank; the
+        backend's, naming the lost rank."""
+        if isinstance(error, CheckpointException) or not isinstance(error, RuntimeError):
+            return _summary(error)
+        return str(self.pipe.peers.lost_in(self._ranks, doing, error, self.timeout))
+
+    def _on_coordinator(self, fn: Callable[[], _T], doing: str) -> _T:
         """Run ``fn`` on the coordinator and hand every rank its result (or its error)."""
         box: list[Any] = [None]
         error: BaseException | None = None
@@ -536,7 +601,8 @@ class Checkpointer:
             except Exception as raised:
                 error = raised
                 box[0] = ("error", _as_checkpoint_error(raised, self.directory))
-        dist.broadcast_object_list(box, group=self._group, group_src=0)
+        with self._naming_lost(doing):
+            dist.broadcast_object_list(box, group=self._group, group_src=0)
         kind, value = box[0]
         if kind == "ok":
             return value  # type: ignore[no-any-return]

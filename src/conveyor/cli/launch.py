@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from conveyor.config import CHECKPOINT_DIR_ENV, PLAN_ENV, TRACE_ENV, read_plan
+from conveyor.runtime.peers import FAILURES_ENV, Failure, read_failure
 
 __all__: list[str] = []
 
@@ -45,10 +48,11 @@ def take_run_options(tokens: Sequence[str]) -> list[str]:
     export each as its environment variable, an absolute path; returns the rest for torchrun.
 
     Raises:
-        ValueError: an option without its value.
+        ValueError: an option without its value, or one that took the script as its value.
     """
     rest: list[str] = []
     tokens = list(tokens)
+    taken: list[str] = []
     while tokens:
         token = tokens.pop(0)
         name, _, value = token.partition("=")
@@ -56,16 +60,24 @@ def take_run_options(tokens: Sequence[str]) -> list[str]:
             variable, what, check = RUN_OPTIONS[name]
             if not value:
                 if not tokens or tokens[0].startswith("-"):
-                    raise ValueError(f"{name} needs a value: {name} {what}")
+                    raise ValueError(f"{name} needs a value: {name} {what} before the script")
                 value = tokens.pop(0)
             if check is not None:
                 check(value)
             os.environ[variable] = str(Path(value).resolve())
+            taken.append(f"{name} {value}")
             continue
         rest.append(token)
         if token.endswith(".py") or token in ("-m", "--module"):
             return rest + tokens  # the script and its own arguments
-    return rest
+    for option in (t for t in taken if t.endswith(".py")):
+        name, value = option.split(" ", 1)
+        raise ValueError(
+            f"no script to run: {name} took {value!r} as its {RUN_OPTIONS[name][1]}; give "
+            f"{name} a value before the script: conveyor run [-n N] {name} "
+            f"{RUN_OPTIONS[name][1]} script.py [script args]"
+        )
+    return rest  # a script without .py (torchrun --no-python), or none: torchrun says so
 
 
 def torchrun(arguments: list[str]) -> int:
@@ -90,6 +102,7 @@ def torchrun(arguments: list[str]) -> int:
         # a restarted group must not rendezvous through the store the lost one used: its stale
         # addresses make gloo connect to dead ports (pytorch/pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    failures = os.environ[FAILURES_ENV] = tempfile.mkdtemp(prefix="conveyor-failures-")
     try:
         run(launch)  # type: ignore[no-untyped-call]  # torchrun's entry point is untyped
     except ChildFailedError as error:  # each rank's own error is printed above
@@ -100,16 +113,26 @@ def torchrun(arguments: list[str]) -> int:
             if launch.max_restarts
             else "no restarts: pass --max-restarts N (and save with a Checkpointer) to resume"
         )
-        logger.error(
-            "rank %d (local rank %d) failed first: exit code %d (%s); %s",
-            rank,
-            failure.local_rank,
-            failure.exitcode,
-            cause,
-            restarts,
-        )
+        exited = f"rank {rank} (local rank {failure.local_rank})"
+        how = f"exit code {failure.exitcode} ({cause})"
+        logger.error("%s; %s", failure_summary(exited, rank, how, read_failure(failures)), restarts)
         return 1
     except Exception as error:
         logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)
         return 1
+    finally:
+        del os.environ[FAILURES_ENV]
+        shutil.rmtree(failures, ignore_errors=True)
     return 0
+
+
+def failure_summary(exited: str, rank: int, how: str, recorded: Failure | None) -> str:
+    """Who failed first: the rank the ranks' own first record names (See Note [first lost
+    rank]), which a hung rank never is for torchrun (it does not exit), else the first rank
+    to exit (``exited``, global ``rank``, exiting ``how``)."""
+    if recorded is None:
+        return f"{exited} failed first: {how}"
+    culprit = recorded.rank if recorded.lost is None else recorded.lost
+    if culprit == rank:
+        return f"{exited} failed first: {how}: {recorded.describe()}"
+    return f"rank {culprit} failed first: {recorded.describe()}; {exited} exited first: {how}"

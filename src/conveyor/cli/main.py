@@ -16,7 +16,12 @@ from pathlib import Path
 
 from conveyor.cli.flags import add_dataclass_flags, build_dataclass, read_toml
 from conveyor.cli.launch import take_run_options, torchrun
-from conveyor.cli.tools import add_simulate_flags, add_tool_commands, simulate_profile
+from conveyor.cli.tools import (
+    add_simulate_flags,
+    add_tool_commands,
+    positive_int,
+    simulate_profile,
+)
 from conveyor.config import PipelineConfig
 from conveyor.demo import DemoConfig, worker_args
 from conveyor.graph import PLACEMENT_STYLES, chain
@@ -97,11 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule", default="1f1b", help=f"one of {sorted(SCHEDULES)}, or a schedule file"
     )
     simulate.add_argument(
-        "--stages", type=int, default=4, help="pipeline ranks, each holding --virtual-stages stages"
+        "--stages",
+        type=positive_int,
+        default=4,
+        help="pipeline ranks, each holding --virtual-stages stages",
     )
     simulate.add_argument(
         "--virtual-stages",
-        type=int,
+        type=positive_int,
         default=None,
         help="stages per rank (default: the schedule's: 2 for interleaved-1f1b and zb-v, else 1)",
     )
@@ -111,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="how stages share ranks: loop or v (default: the schedule's)",
     )
-    simulate.add_argument("--microbatches", type=int, default=8)
+    simulate.add_argument("--microbatches", type=positive_int, default=8)
     simulate.add_argument(
         "--actions",
         action="store_true",

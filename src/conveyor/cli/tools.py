@@ -4,6 +4,7 @@ into the planner, the simulator and the timeline renderers.
     conveyor plan --model gpt --ranks 2 --memory 1GiB --batch-size 32 --out plan.json
     conveyor run --plan plan.json --trace runs/t -n 2 train.py
     conveyor trace runs/t                  # summary, runs/t/timeline.png, runs/t/trace.json
+    conveyor trace runs/t --step 3-5 --png steps.png   # three steps; writes steps.png only
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (stages, ranks, micro-batches, samples)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_tool_commands(commands: Any) -> None:
     """Add the ``plan`` and ``trace`` subcommands to the ``conveyor`` parser."""
     planner = commands.add_parser(
@@ -72,11 +84,11 @@ def add_tool_commands(commands: Any) -> None:
         help="an example name (gpt, unbalanced, ...) or package.module:function "
         "returning a conveyor.profile.Workload",
     )
-    planner.add_argument("--ranks", type=int, required=True, help="pipeline ranks")
+    planner.add_argument("--ranks", type=positive_int, required=True, help="pipeline ranks")
     planner.add_argument(
         "--memory", type=parse_bytes, required=True, help="memory budget per rank, e.g. 2GiB"
     )
-    planner.add_argument("--batch-size", type=int, required=True, help="samples per step")
+    planner.add_argument("--batch-size", type=positive_int, required=True, help="samples per step")
     planner.add_argument(
         "--schedules",
         nargs="+",
@@ -85,7 +97,7 @@ def add_tool_commands(commands: Any) -> None:
     )
     planner.add_argument(
         "--microbatches",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=None,
         help="micro-batch counts to consider (default: divisors of the batch)",
@@ -110,7 +122,7 @@ def add_tool_commands(commands: Any) -> None:
         "traced run (the prediction then leaves them out)",
     )
     planner.add_argument("--out", type=Path, help="write the best plan to this file")
-    planner.add_argument("--top", type=int, default=10, help="plans to print (default 10)")
+    planner.add_argument("--top", type=positive_int, default=10, help="plans to print (default 10)")
     planner.set_defaults(command=_plan)
 
     tracer = commands.add_parser(
@@ -122,12 +134,24 @@ def add_tool_commands(commands: Any) -> None:
     tracer.add_argument("directory", type=Path, help="the run's trace directory")
     tracer.add_argument(
         "--step",
-        type=int,
+        type=step_range,
         default=None,
-        help="step to render (default: the last one every rank recorded)",
+        metavar="N|FIRST-LAST",
+        help="step to render, or steps FIRST to LAST on one time axis (default: the last step "
+        "every rank recorded)",
     )
-    tracer.add_argument("--png", type=Path, help="Gantt chart (default: DIR/timeline.png)")
-    tracer.add_argument("--chrome", type=Path, help="trace JSON (default: DIR/trace.json)")
+    tracer.add_argument(
+        "--png",
+        type=Path,
+        help="write the Gantt chart here (default: DIR/timeline.png when neither --png nor "
+        "--chrome is given)",
+    )
+    tracer.add_argument(
+        "--chrome",
+        type=Path,
+        help="write the Chrome/Perfetto trace here (default: DIR/trace.json when neither "
+        "--png nor --chrome is given)",
+    )
     tracer.add_argument(
         "--compare",
         type=Path,
@@ -145,11 +169,14 @@ def add_simulate_flags(simulate: argparse.ArgumentParser) -> None:
         help="predict with a saved profile (conveyor plan --save-profile) instead of unit costs",
     )
     simulate.add_argument(
-        "--balance", type=int, nargs="+", help="with --profile: units per stage (default: even)"
+        "--balance",
+        type=positive_int,
+        nargs="+",
+        help="with --profile: units per stage (default: even)",
     )
     simulate.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int,
         help="with --profile: samples per step (default: micro-batches x the "
         "profile's smallest micro-batch size)",
     )
@@ -217,17 +244,36 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def step_range(text: str) -> tuple[int, int]:
+    """An argparse type: 'N' -> (N, N); 'FIRST-LAST' -> (FIRST, LAST), FIRST <= LAST."""
+    first, _, last = text.partition("-")
+    try:
+        steps = (int(first), int(last or first))
+    except ValueError:
+        steps = (-1, -1)
+    if min(steps) < 0 or steps[0] > steps[1]:
+        raise argparse.ArgumentTypeError(
+            f"expected a step N or a range FIRST-LAST (FIRST <= LAST), got {text!r}"
+        )
+    return steps
+
+
 def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    measured = load_run(args.directory, args.step)
+    first, last = args.step or (None, None)
+    measured = load_run(args.directory, first, last)
     print(measured.summary_text())
     timelines = [measured]
     if args.compare:
         predicted = Timeline.load(args.compare)
         timelines.append(predicted)
         print(predicted.summary_text())
-    png = write_png(args.png or args.directory / "timeline.png", *timelines)
-    chrome = write_chrome(args.chrome or args.directory / "trace.json", *timelines)
-    print(f"wrote {png} and {chrome} (open it at https://ui.perfetto.dev)")
+    png, chrome = args.png, args.chrome
+    if png is None and chrome is None:  # neither asked for: both, in the run's directory
+        png, chrome = args.directory / "timeline.png", args.directory / "trace.json"
+    written = [str(write_png(png, *timelines))] if png else []
+    if chrome:
+        written.append(f"{write_chrome(chrome, *timelines)} (open it at https://ui.perfetto.dev)")
+    print(f"wrote {' and '.join(written)}")
     return 0
 
 

@@ -260,6 +260,12 @@ class ProfileCost:
             return self._weight[s] + overheads.backward
         raise ValueError(f"{action} is not a compute action")
 
+    def recompute(self, action: Action) -> float:
+        """Seconds of a backward (B or I) spent recomputing its forward; 0 if it keeps it."""
+        if action.kind in (Kind.B, Kind.I) and self._is_recomputed(action.stage, action.microbatch):
+            return self._forward[action.stage]
+        return 0.0
+
     def message_bytes(self, action: Action) -> int:
         """Bytes a send or receive carries: the edge's values (and, forward, the RNG state)."""
         assert action.peer is not None

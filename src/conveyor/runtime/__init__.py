@@ -1,7 +1,8 @@
 """Run one rank's Program: the interpreter and everything it needs.
 
 Modules: ``interpreter`` (the Runtime: forward, backward, send and receive, one small handler
-per action kind), ``comm`` (point-to-point transport of pytrees; PeerLostError), ``backward``
+per action kind), ``comm`` (point-to-point transport of pytrees), ``peers`` (lost peers named:
+PeerLostError, the first failure in the store, heartbeats), ``backward``
 (split backward: I now, W later), ``recompute`` (activation recomputation modes and rule),
 ``rng`` (each micro-batch's random stream), ``microbatch`` (splitting and merging batches),
 ``memory`` (activation accounting), ``batchnorm`` (deferred batch norm), ``tied`` (weights

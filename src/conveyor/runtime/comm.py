@@ -14,14 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.torch_compat import default_store, pytree
+from conveyor.runtime.peers import Peers, read_record
+from conveyor.torch_compat import close_gloo_group, pytree
 from conveyor.trace import Recorder
 
-__all__ = ["P2P", "LeafMeta", "Meta", "PeerLostError", "Receive"]
-
-
-class PeerLostError(RuntimeError):
-    """A peer rank stopped answering: it crashed, was killed, or is stuck."""
+__all__ = ["P2P", "LeafMeta", "Meta", "Receive"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +103,11 @@ class P2P:
         self._upward, self._downward = _directions(group, timeout)
         """Groups for messages to higher and to lower ranks (None: ``group`` both ways);
         See Note [a group per direction]."""
+        self.check_open()
+        channel = self._upward or group or dist.group.WORLD
+        assert channel is not None
+        self.peers = Peers(_scope(channel), group)
+        """Names lost peers and records failures; See Note [first lost rank]."""
         self._queues: dict[int, deque[Receive]] = {}
         self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
         self.recorder: Recorder | None = None
@@ -228,11 +230,42 @@ class P2P:
         try:
             yield
         except RuntimeError as error:
-            raise PeerLostError(
-                f"rank {self.rank}: lost rank {peer} while {doing} (waited at most "
-                f"{self.timeout.total_seconds():.0f}s): {error}. Rank {peer} has likely "
-                "crashed or been killed; check its log." + _first_loss(self.group, self.rank, peer)
-            ) from error
+            raise self.peers.lost(peer, doing, error, self.timeout) from error
+
+    def abandon(self, doing: str, error: BaseException) -> None:
+        """Give up ``doing`` (a step) after ``error``: record why, then close this rank's
+        connections, so every peer waiting on it fails at once; See Note [abandoned step]."""
+        self.peers.abandoned(doing, error)
+        groups = [self._upward, self._downward] if self._upward is not None else [self.group]
+        for group in groups:
+            if group is not None and dist.get_backend(group) == "gloo":
+                close_gloo_group(group)
+                _CLOSED.add(group.group_name)
+        if self._upward is not None and _DIRECTIONS[:1] == [self._upward]:
+            _DIRECTIONS.clear()  # the next Pipeline makes new ones
+
+    def check_open(self) -> None:
+        """Raise if a Pipeline that abandoned a step closed the groups this one talks over."""
+        groups = [self._upward, self._downward, self.group]
+        if any(g is not None and g.group_name in _CLOSED for g in groups):
+            raise RuntimeError(
+                f"rank {self.rank}: the process group this Pipeline talks over was closed "
+                "when a Pipeline on it abandoned a step; create a new Pipeline (over a new "
+                "process group if you passed group=...) on every rank to go on"
+            )
+
+
+# Note [abandoned step]:
+# A rank whose step raised (its stage's error, a lost peer, Ctrl-C) may stay alive: a
+# notebook, a retry loop, pytest.raises. Its peers would wait for it until timeout_s and then
+# call it crashed. So the rank records the error in the store (See Note [first lost rank]) and
+# closes its connections: every peer waiting on it fails at once, as if it had died, and
+# names it and the error it read from the store; each of them does the same in turn, so the
+# news crosses the whole pipeline. Messages may be in flight, so the closed groups are never
+# used again: the world's direction groups are made anew by the next Pipeline, and a
+# Pipeline over a closed group of the user's refuses to run (check_open).
+_CLOSED: set[str] = set()
+"""Names of the groups closed by an abandoned step, in this process."""
 
 
 # Note [a group per direction]:
@@ -260,7 +293,11 @@ def _directions(
     if ``group`` is not gloo or not the whole world. Collective the first time in a world."""
     if dist.get_backend(group) != "gloo" or dist.get_world_size(group) != dist.get_world_size():
         return None, None
-    if not _DIRECTIONS or not all(map(_alive, _DIRECTIONS)):  # first, or a new world
+    if (
+        not _DIRECTIONS  # the first Pipeline
+        or not all(map(_alive, _DIRECTIONS))  # of a new world
+        or read_record(_scope(_DIRECTIONS[0])) is not None  # closed by a failure
+    ):
         _DIRECTIONS[:] = [dist.new_group(timeout=timeout, backend="gloo") for _ in range(2)]
     return _DIRECTIONS[0], _DIRECTIONS[1]
 
@@ -274,26 +311,9 @@ def _alive(group: dist.ProcessGroup) -> bool:
     return True
 
 
-# Note [first lost rank]:
-# When rank 2 of a chain 0-1-2 dies, rank 1 sees it at once, fails, and exits; rank 0 then
-# sees rank 1 go, and would name rank 1. So each rank that loses a peer records it in the
-# group's store (the rendezvous store, which outlives the ranks), and a rank that was not the
-# first to lose one adds the first report to its message: the rank that really failed.
-def _first_loss(group: dist.ProcessGroup | None, rank: int, peer: int) -> str:
-    """Record that ``rank`` lost ``peer``; return a sentence naming an earlier report, if any."""
-    store = default_store()
-    if store is None:
-        return ""
-    try:
-        name = group.group_name if group is not None else "world"
-        mine = f"{rank}:{peer}"
-        first = store.compare_set(f"conveyor/lost/{name}", "", mine).decode()
-    except Exception:  # no store, or it went away too: the peer's own name must do
-        return ""
-    if first == mine:
-        return ""
-    reporter, lost = first.split(":")
-    return f" Rank {reporter} reported losing rank {lost} first."
+def _scope(channel: dist.ProcessGroup) -> str:
+    """The store key of the failures of the Pipelines talking over ``channel``."""
+    return f"conveyor/failure/{channel.group_name}"
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
         --checkpoint-dir ckpt examples/train_resumable.py
     # rank 1 kills itself (SIGKILL) in the backward of the step after step 3
 
-A fault is ``POINT[:rank=R][:step=S][:attempt=A][:action=kill|enospc]``; several are separated
+A fault is ``POINT[:rank=R][:step=S][:attempt=A][:action=kill|stop|enospc]``; several are separated
 by commas. It fires once, when its point is reached on rank R (any rank if omitted) at step S
 (the first time if omitted), in torchrun attempt A (default 0: the first attempt only, so the
 restarted run goes through). ``step=S`` always means "after S completed optimizer steps": the
@@ -50,11 +50,12 @@ POINTS: dict[str, str] = {
 }
 """Injection points and when each fires."""
 
-ACTIONS = ("kill", "enospc")
-"""``kill``: SIGKILL this process (a lost process). ``enospc``: raise OSError(ENOSPC) (a full
-disk); meaningful at the checkpoint points, where a writer raising is what a full disk does."""
+ACTIONS = ("kill", "stop", "enospc")
+"""``kill``: SIGKILL this process (a lost process). ``stop``: SIGSTOP it (a hung process: alive,
+connections open, silent). ``enospc``: raise OSError(ENOSPC) (a full disk); meaningful at the
+checkpoint points, where a writer raising is what a full disk does."""
 
-Action = Literal["kill", "enospc"]
+Action = Literal["kill", "stop", "enospc"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def parse(text: str) -> tuple[Fault, ...]:
             else:
                 raise ValueError(
                     f"{ENV}: cannot read {option!r} in {item!r}; expected "
-                    "rank=N, step=N, attempt=N or action=kill|enospc, e.g. "
+                    "rank=N, step=N, attempt=N or action=kill|stop|enospc, e.g. "
                     "'backward:rank=1:step=3'"
                 )
         faults.append(Fault(point, **fields))
@@ -149,8 +150,11 @@ def _trigger(fault: Fault, rank: int, step: int | None) -> None:
     if fault.action == "enospc":
         logger.warning("[rank %d] injected fault %s: raising ENOSPC (%s)", rank, fault, where)
         raise OSError(errno.ENOSPC, f"No space left on device (injected fault {fault}, {where})")
-    print(f"[rank {rank}] injected fault {fault}: SIGKILL ({where})", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    sig = signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP
+    print(
+        f"[rank {rank}] injected fault {fault}: {sig.name} ({where})", file=sys.stderr, flush=True
+    )
+    os.kill(os.getpid(), sig)
 
 
 def install(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = ["LossFn", "Runtime", "StepInputs"]
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
 _Key = tuple[int, int]  # (stage, micro-batch)
 
 
@@ -195,7 +196,10 @@ class Runtime:
         ):
             if self._is_recomputed(k, s):
                 out = recompute(
-                    self._calls[s], *args, use_reentrant=False, context_fn=recompute_context
+                    self._calls[s],
+                    *args,
+                    use_reentrant=False,
+                    context_fn=self._recompute_context(str(action)),
                 )
             else:
                 out = self._calls[s](*args)
@@ -253,6 +257,19 @@ class Runtime:
             return self._state.rng_end[(parent, k)]
         cpu, *device = received[parent]["rng"]
         return RngState(cpu.cpu(), device[0] if device else None)
+
+    def _recompute_context(self, forward: str) -> _ContextFn:
+        """``context_fn`` of ``forward``'s checkpoint: marks the recomputation for
+        DeferredBatchNorm and, when tracing, records it as its own event."""
+        recorder = self.recorder
+        if recorder is None:
+            return recompute_context
+
+        def context() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+            first, again = recompute_context()
+            return first, _Recorded(again, recorder, forward)
+
+        return context
 
     def _is_recomputed(self, k: int, s: int) -> bool:
         mode = self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[s]
@@ -419,6 +436,27 @@ class Runtime:
             ]
         )
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
+
+
+class _Recorded:
+    """A recomputation's context that also records each recomputation (a split backward may
+    run two: one for I, one for W) as a ``recompute <forward>`` event."""
+
+    def __init__(
+        self, inner: AbstractContextManager[Any], recorder: Recorder, forward: str
+    ) -> None:
+        self._inner = inner
+        self._recorder = recorder
+        self._forward = forward
+        self._starts: list[float] = []
+
+    def __enter__(self) -> None:
+        self._starts.append(self._recorder.now())
+        self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._inner.__exit__(*exc)
+        self._recorder.recompute(self._forward, self._starts.pop(), self._recorder.now())
 
 
 def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:

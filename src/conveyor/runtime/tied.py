@@ -1,7 +1,7 @@
 """Tied weights: one parameter used by stages on several ranks, kept identical everywhere.
 
 ties = find_ties(graph, declared=["0.tokens.weight,5.out.weight"])   # or found alone
-tied = TiedWeights(ties, graph, rank, stages, group)   # shares, then equalizes values
+tied = TiedWeights(ties, graph, rank, stages, group, timeout)   # shares, then equalizes
 before = tied.gradients(); ...backward...; tied.sum_gradients(before)
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,7 @@ class TiedWeights:
         rank: int,
         stages: dict[int, nn.Module],
         group: dist.ProcessGroup | None,
+        timeout: timedelta,
     ) -> None:
         self.rank = rank
         self.params: list[tuple[Tie, nn.Parameter, dist.ProcessGroup | None, int]] = []
@@ -127,7 +129,7 @@ class TiedWeights:
             if len(ranks) == 1:
                 continue
             members = tuple(sorted(_global(group, r) for r in ranks))
-            self.params.append((tie, param, _tie_group(members), _global(group, ranks[0])))
+            self.params.append((tie, param, _tie_group(members, timeout), _global(group, ranks[0])))
         if self.params:
             logger.info(
                 "[rank %d] tied across ranks: %s",
@@ -166,14 +168,17 @@ class TiedWeights:
         return worst
 
 
-_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup | None] = {}
+_GROUPS: dict[tuple[int, tuple[int, ...], timedelta], dist.ProcessGroup | None] = {}
 
 
-def _tie_group(members: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """The process group of these global ranks, created by them alone (once per world)."""
-    key = (id(dist.group.WORLD), members)
+def _tie_group(members: tuple[int, ...], timeout: timedelta) -> dist.ProcessGroup | None:
+    """The process group of these global ranks, created by them alone (once per world and
+    timeout: a silent peer fails its all-reduce after the pipeline's timeout)."""
+    key = (id(dist.group.WORLD), members, timeout)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(members), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(
+            list(members), timeout=timeout, use_local_synchronization=True
+        )
     return _GROUPS[key]
 
 
