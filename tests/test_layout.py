@@ -72,6 +72,7 @@ def test_imports_run_one_way() -> None:
             visit(name, [name])
 
 
+@pytest.mark.timeout(300)  # ~80 fresh imports of conveyor in one interpreter
 def test_every_module_imports_alone() -> None:
     # one interpreter (torch loads once); conveyor is forgotten before each module; entry
     # points (__main__) run a command when imported, so they are left out
