@@ -118,10 +118,10 @@ class Pipeline:
             s: _materialize(self.graph.stages[s].module, self.device)
             for s in self.graph.stages_on(self.rank)
         }
-        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
+        p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
+        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, p2p)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
-        p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(
             self.graph,
             self.rank,
@@ -159,9 +159,8 @@ class Pipeline:
                 f"{'set' if targets is not None else 'None'}); use forward() "
                 "for inference"
             )
-        before = self.ties.gradients()
-        state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
-        self.ties.sum_gradients(before)
+        with self.ties.summing_gradients():
+            state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1
