@@ -117,11 +117,10 @@ def progress_bar(total: int, is_shown: bool, stream: TextIO | None = None) -> tq
     ``log_every`` steps reports progress instead.
     """
     stream = sys.stderr if stream is None else stream
-    is_terminal = stream.isatty()
     return tqdm(
         total=total,
         file=stream,
-        disable=not (is_shown and is_terminal),
+        disable=not (is_shown and stream.isatty()),
         unit="step",
         dynamic_ncols=True,
     )
