@@ -3,6 +3,10 @@
     python benchmarks/bench_soak.py     # 500 warm-up steps, then the demo 5000, the others 1000
     python benchmarks/bench_soak.py --sweep-steps 5000               # every configuration 5000
     python benchmarks/bench_soak.py --steps 500 --configs demo,1f1b-untied --no-write  # quicker
+    # the code before a fix, for comparison: run it there, then pass its samples here
+    PYTHONPATH=old/src python benchmarks/bench_soak.py --configs demo --steps 1000 \
+        --no-write --samples before.json
+    python benchmarks/bench_soak.py --before before.json
 
 Every configuration trains the demo's GPT (`conveyor demo` defaults: 2 ranks, batch 32,
 sequence 64, width 64, 4 blocks, AdamW) in two fresh gloo processes, one torch thread each,
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -219,7 +225,32 @@ def plot(results: dict[str, list[RankResult]], path: Path) -> None:
     plt.close(figure)
 
 
-BEFORE = "(measured before the fix: to be filled in)"
+def save(results: dict[str, list[RankResult]], path: Path) -> None:
+    """Every rank's samples, to compare with later (``--before``)."""
+    raw = {name: [dataclasses.asdict(r) for r in ranks] for name, ranks in results.items()}
+    path.write_text(json.dumps(raw))
+
+
+def load(path: Path) -> dict[str, list[RankResult]]:
+    raw = json.loads(path.read_text())
+    return {name: [RankResult(**r) for r in ranks] for name, ranks in raw.items()}
+
+
+def before(path: Path | None) -> list[str]:
+    """The same measurement of other code (``--before``: the code before the fix)."""
+    if path is None:
+        return []
+    return [
+        "Before the fix (tied gradients summed by an all_reduce per step, Note [no collective "
+        "per step]), measured by this benchmark on that code "
+        f"(`--samples`, then `--before`): the demo configuration over "
+        f"{next(iter(load(path).values()))[0].steps} steps after warm-up:",
+        "",
+        *table(load(path)),
+        "",
+        "After the fix:",
+        "",
+    ]
 
 
 def render(results: dict[str, list[RankResult]], args: argparse.Namespace, minutes: float) -> str:
@@ -229,7 +260,8 @@ def render(results: dict[str, list[RankResult]], args: argparse.Namespace, minut
         [
             "## Soak: resident memory over long runs",
             "",
-            f"Command: `python benchmarks/bench_soak.py` ({minutes:.0f} min) on "
+            f"Command: `{shlex.join(['python', 'benchmarks/bench_soak.py', *sys.argv[1:]])}` "
+            f"({minutes:.0f} min) on "
             f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
             "2 gloo ranks with one torch thread each; other work may have been running. "
             "Each configuration is the demo (`conveyor demo` defaults: GPT with tied embeddings, "
@@ -243,8 +275,7 @@ def render(results: dict[str, list[RankResult]], args: argparse.Namespace, minut
             f"**Largest slope {worst:.3f} KB/step (target: below 1); every rank within 1 MiB "
             f"of its peak by step {latest}.**",
             "",
-            BEFORE,
-            "",
+            *before(args.before),
             *stability(results, args),
             *table(results),
             "",
@@ -264,6 +295,9 @@ def main() -> None:
     parser.add_argument("--configs", default=None, help="comma-separated names (default: all)")
     parser.add_argument("--no-write", action="store_true", help="print, leave docs alone")
     parser.add_argument("--samples", type=Path, help="also write every sample to this JSON file")
+    parser.add_argument(
+        "--before", type=Path, help="a --samples file of other code, shown for comparison"
+    )
     args = parser.parse_args()
     soaks = configurations()
     if args.configs is not None:
@@ -281,8 +315,7 @@ def main() -> None:
         results[soak.name] = run(soak, steps, args)
         print("\n".join(table({soak.name: results[soak.name]})[2:]), flush=True)
     if args.samples is not None:
-        raw = {name: [r.samples for r in ranks] for name, ranks in results.items()}
-        args.samples.write_text(json.dumps(raw))
+        save(results, args.samples)
     markdown = render(results, args, (time.perf_counter() - start) / 60)
     print(markdown)
     if not args.no_write:
