@@ -314,8 +314,8 @@ def main() -> None:
         steps = args.steps if soak.name == "demo" else args.sweep_steps
         results[soak.name] = run(soak, steps, args)
         print("\n".join(table({soak.name: results[soak.name]})[2:]), flush=True)
-    if args.samples is not None:
-        save(results, args.samples)
+        if args.samples is not None:  # after each configuration: an interrupted run keeps them
+            save(results, args.samples)
     markdown = render(results, args, (time.perf_counter() - start) / 60)
     print(markdown)
     if not args.no_write:
