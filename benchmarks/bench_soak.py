@@ -6,15 +6,16 @@
     # the code before a fix, for comparison: run it there, then pass its samples here
     PYTHONPATH=old/src python benchmarks/bench_soak.py --configs demo --steps 1000 \
         --no-write --samples before.json
-    python benchmarks/bench_soak.py --before before.json
+    python benchmarks/bench_soak.py --before before.json --samples after.json
+    python benchmarks/bench_soak.py --from-samples after.json --before before.json  # report again
 
 Every configuration trains the demo's GPT (`conveyor demo` defaults: 2 ranks, batch 32,
 sequence 64, width 64, 4 blocks, AdamW) in two fresh gloo processes, one torch thread each,
 cycling 64 batches drawn once. Each rank samples its resident set (/proc/self/statm) and
 glibc's heap (mallinfo2) every --every steps. The slope is the least-squares line through the
 samples after warm-up, in KB per step; its value over each half of that window, and the
-demo's slope over its first --sweep-steps against all its --steps, show whether a shorter
-window estimates it as well. Results go to the `soak` section of docs/benchmarks.md and to
+demo's slope over each --sweep-steps window of its longer run, show whether a shorter window
+estimates it as well. Results go to the `soak` section of docs/benchmarks.md and to
 docs/soak_rss.png.
 """
 
@@ -140,10 +141,14 @@ class RankResult:
     def after_warmup(self) -> list[list[int]]:
         return [s for s in self.samples if s[0] >= self.warmup]
 
-    def slope(self, column: int = 1, part: slice = slice(None), until: int | None = None) -> float:
-        """Least-squares growth of a sampled column after warm-up (up to step ``until``), in
-        KB per step."""
-        rows = [r for r in self.after_warmup() if until is None or r[0] <= until][part]
+    def slope(
+        self, column: int = 1, part: slice = slice(None), since: int = 0, until: int | None = None
+    ) -> float:
+        """Least-squares growth of a sampled column after warm-up (between steps ``since``
+        and ``until``), in KB per step."""
+        rows = [
+            r for r in self.after_warmup() if since <= r[0] and (until is None or r[0] <= until)
+        ][part]
         fit = statistics.linear_regression([r[0] for r in rows], [r[column] for r in rows])
         return fit.slope / 1e3
 
@@ -191,23 +196,36 @@ def table(results: dict[str, list[RankResult]]) -> list[str]:
     return lines
 
 
-def stability(results: dict[str, list[RankResult]], args: argparse.Namespace) -> list[str]:
-    """The demo's slope over the shorter window the other configurations ran, against its
-    whole run: how well the shorter window estimates the long-run slope."""
+def stability(results: dict[str, list[RankResult]]) -> list[str]:
+    """The demo's slope over each window as long as the shorter runs of the other
+    configurations, against its whole run: how well the shorter window estimates it."""
     demo = results.get("demo")
-    if demo is None or demo[0].steps <= args.sweep_steps:
+    window = min((r[0].steps for name, r in results.items() if name != "demo"), default=None)
+    if demo is None or window is None or demo[0].steps < 2 * window:
         return []
-    until = args.warmup + args.sweep_steps
-    pairs = ", ".join(
-        f"rank {rank} {r.slope(until=until):+.3f} against {r.slope():+.3f}"
-        for rank, r in enumerate(demo)
-    )
-    return [
+    lines = [
         f"The demo ran {demo[0].steps} steps after warm-up, the other configurations "
-        f"{args.sweep_steps}. Its slope over its first {args.sweep_steps} steps against "
-        f"all {demo[0].steps}: {pairs} KB/step.",
+        f"{window} or more. The demo's slope over each consecutive {window}-step window, "
+        "against its slope over the whole run, shows how well such a window estimates it "
+        "(KB/step):",
         "",
     ]
+    for rank, r in enumerate(demo):
+        starts = range(r.warmup, r.warmup + r.steps - window + 1, window)
+        slopes = [r.slope(since=start, until=start + window) for start in starts]
+        lines.append(
+            f"- rank {rank}: whole run {r.slope():+.3f}; windows "
+            f"{', '.join(f'{x:+.2f}' for x in slopes)} (largest {max(map(abs, slopes)):.2f})"
+        )
+    return [*lines, ""]
+
+
+def missing(results: dict[str, list[RankResult]]) -> list[str]:
+    """The configurations this report lacks, said plainly."""
+    names = [s.name for s in configurations() if s.name not in results]
+    if not names:
+        return []
+    return [f"Not measured in this run: {'; '.join(names)}.", ""]
 
 
 def plot(results: dict[str, list[RankResult]], path: Path) -> None:
@@ -225,58 +243,68 @@ def plot(results: dict[str, list[RankResult]], path: Path) -> None:
     plt.close(figure)
 
 
+COMMAND = shlex.join(["python", "benchmarks/bench_soak.py", *sys.argv[1:]])
+"""This run's command line, as the report gives it."""
+
+
 def save(results: dict[str, list[RankResult]], path: Path) -> None:
-    """Every rank's samples, to compare with later (``--before``)."""
+    """Every rank's samples and the command that measured them (``--before``,
+    ``--from-samples``)."""
     raw = {name: [dataclasses.asdict(r) for r in ranks] for name, ranks in results.items()}
-    path.write_text(json.dumps(raw))
+    path.write_text(json.dumps({"command": COMMAND, "results": raw}))
 
 
-def load(path: Path) -> dict[str, list[RankResult]]:
+def load(path: Path) -> tuple[str, dict[str, list[RankResult]]]:
+    """The command and results ``save`` wrote."""
     raw = json.loads(path.read_text())
-    return {name: [RankResult(**r) for r in ranks] for name, ranks in raw.items()}
+    results = {name: [RankResult(**r) for r in ranks] for name, ranks in raw["results"].items()}
+    return raw["command"], results
 
 
 def before(path: Path | None) -> list[str]:
     """The same measurement of other code (``--before``: the code before the fix)."""
     if path is None:
         return []
+    command, results = load(path)
     return [
         "Before the fix (tied gradients summed by an all_reduce per step, Note [no collective "
         "per step]), measured by this benchmark on that code "
-        f"(`--samples`, then `--before`): the demo configuration over "
-        f"{next(iter(load(path).values()))[0].steps} steps after warm-up:",
+        f"(`{command}`):",
         "",
-        *table(load(path)),
+        *table(results),
         "",
         "After the fix:",
         "",
     ]
 
 
-def render(results: dict[str, list[RankResult]], args: argparse.Namespace, minutes: float) -> str:
+def render(command: str, results: dict[str, list[RankResult]], args: argparse.Namespace) -> str:
+    minutes = sum(max(r.seconds for r in ranks) for ranks in results.values()) / 60
+    first = next(iter(results.values()))[0]
     worst = max(abs(r.slope()) for ranks in results.values() for r in ranks)
     latest = max(r.settled_step() for ranks in results.values() for r in ranks)
     return "\n".join(
         [
             "## Soak: resident memory over long runs",
             "",
-            f"Command: `{shlex.join(['python', 'benchmarks/bench_soak.py', *sys.argv[1:]])}` "
+            f"Command: `{command}` "
             f"({minutes:.0f} min) on "
             f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
             "2 gloo ranks with one torch thread each; other work may have been running. "
             "Each configuration is the demo (`conveyor demo` defaults: GPT with tied embeddings, "
             "1F1B, 4 micro-batches, batch 32, AdamW) with one setting changed, in fresh "
-            f"processes: {args.warmup} warm-up steps, then {args.steps} steps (the demo) or "
-            f"{args.sweep_steps} (the others), resident memory sampled every {args.every} "
-            "steps. Slope: least-squares line through the samples "
-            "after warm-up (and through each half of them); heap in use: glibc's bytes "
-            "allocated and not freed (mallinfo2), the same fit.",
+            f"processes: {first.warmup} warm-up steps, then the steps the table gives, "
+            f"resident memory sampled every {first.samples[1][0]} steps. Slope: "
+            "least-squares line through the samples after warm-up (and through each half "
+            "of them); heap in use: glibc's bytes allocated and not freed (mallinfo2), the "
+            "same fit.",
             "",
             f"**Largest slope {worst:.3f} KB/step (target: below 1); every rank within 1 MiB "
             f"of its peak by step {latest}.**",
             "",
             *before(args.before),
-            *stability(results, args),
+            *missing(results),
+            *stability(results),
             *table(results),
             "",
             "![resident memory per rank over the run](soak_rss.png)",
@@ -298,7 +326,25 @@ def main() -> None:
     parser.add_argument(
         "--before", type=Path, help="a --samples file of other code, shown for comparison"
     )
+    parser.add_argument(
+        "--from-samples", type=Path, help="report a --samples file instead of running"
+    )
     args = parser.parse_args()
+    if args.from_samples is not None:
+        command, results = load(args.from_samples)
+    else:
+        command, results = COMMAND, measure(parser, args)
+    markdown = render(command, results, args)
+    print(markdown)
+    if not args.no_write:
+        plot(results, DOC.parent / "soak_rss.png")
+        write_section("soak", markdown)
+
+
+def measure(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> dict[str, list[RankResult]]:
+    """Run the chosen configurations one after another, printing each one's rows."""
     soaks = configurations()
     if args.configs is not None:
         wanted = args.configs.split(",")
@@ -308,7 +354,6 @@ def main() -> None:
                 f"unknown configurations {unknown}; expected some of {[s.name for s in soaks]}"
             )
         soaks = [s for s in soaks if s.name in wanted]
-    start = time.perf_counter()
     results: dict[str, list[RankResult]] = {}
     for soak in soaks:
         steps = args.steps if soak.name == "demo" else args.sweep_steps
@@ -316,11 +361,7 @@ def main() -> None:
         print("\n".join(table({soak.name: results[soak.name]})[2:]), flush=True)
         if args.samples is not None:  # after each configuration: an interrupted run keeps them
             save(results, args.samples)
-    markdown = render(results, args, (time.perf_counter() - start) / 60)
-    print(markdown)
-    if not args.no_write:
-        plot(results, DOC.parent / "soak_rss.png")
-        write_section("soak", markdown)
+    return results
 
 
 if __name__ == "__main__":
