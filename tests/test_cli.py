@@ -87,6 +87,12 @@ def test_demo_trains(capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "4", "--log-every", "2", "--dim", "32"]) == 0
     out = capfd.readouterr()
     assert "step 4/4 | loss" in out.out + out.err
+    # captured output is no terminal: one log line per log_every steps, no progress bar
+    assert [line.split(" |")[0] for line in out.err.splitlines() if "/4 | loss" in line] == [
+        "step 2/4",
+        "step 4/4",
+    ]
+    assert "\r" not in out.err
 
 
 @pytest.mark.dist

@@ -8,24 +8,28 @@ Each rank runs ``python -m conveyor.demo`` under torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from conveyor.config import PipelineConfig
 from conveyor.models import gpt, gpt_loss, text_batches, unigram_entropy
 from conveyor.pipeline import Pipeline
 from conveyor.trace import load_run, write_chrome, write_png
 
-__all__ = ["DemoConfig", "train"]
+__all__ = ["DemoConfig", "progress_bar", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,8 @@ class DemoConfig:
     lr: float = 3e-3
     """AdamW learning rate."""
     log_every: int = 50
-    """Steps between progress log lines (the progress bar updates every step)."""
+    """Steps between progress log lines. On a terminal, a progress bar also updates every
+    step; in a log file or CI output these lines are the only progress."""
 
     def __post_init__(self) -> None:
         for name in ("ranks", "steps", "batch_size", "seq_len", "dim", "num_layers", "log_every"):
@@ -76,7 +81,8 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
     tokens = demo.batch_size * demo.seq_len
     losses: list[float] = []
     start = time.perf_counter()
-    with tqdm(total=demo.steps, disable=not is_last, unit="step", dynamic_ncols=True) as bar:
+    bar = progress_bar(demo.steps, is_last)
+    with bar, logging_redirect_tqdm() if not bar.disable else contextlib.nullcontext():
         for step, (inputs, targets) in enumerate(batches, start=1):
             loss = pipe.step(inputs, targets)
             optimizer.step()
@@ -101,6 +107,24 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
     if pipeline.trace_dir:
         _render_trace(pipeline.trace_dir)
     return losses
+
+
+def progress_bar(total: int, is_shown: bool, stream: TextIO | None = None) -> tqdm[NoReturn]:
+    """A progress bar over ``total`` steps on ``stream`` (standard error), updated every step;
+    disabled unless ``is_shown`` and ``stream`` is a terminal.
+
+    A bar redraws itself with a carriage return on every update: on a terminal that is one
+    line, but in a log file or CI output it is ~300 bytes per step. There the log line every
+    ``log_every`` steps reports progress instead.
+    """
+    stream = sys.stderr if stream is None else stream
+    return tqdm(
+        total=total,
+        file=stream,
+        disable=not (is_shown and stream.isatty()),
+        unit="step",
+        dynamic_ncols=True,
+    )
 
 
 def _render_trace(directory: str) -> None:

@@ -132,13 +132,12 @@ class Pipeline:
                 self.rank,
                 list(self.stages),
             )
-        timeout = timedelta(seconds=config.timeout_s)
-        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group, timeout)
-        """Parameters shared by stages on several ranks; See Note [tied weights]."""
-        self.ties.equalize()
-        p2p = self._p2p = P2P(group, self.device, timeout)
+        p2p = self._p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self.peers = p2p.peers
         """Names lost peers in errors (conveyor.runtime.peers); the Checkpointer uses it too."""
+        self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, p2p)
+        """Parameters shared by stages on several ranks; See Note [tied weights]."""
+        self.ties.equalize()
         self._abandoned: str | None = None
         """What this Pipeline abandoned, after which it refuses to run; See Note [abandoned
         step] in conveyor.runtime.comm."""
@@ -234,11 +233,9 @@ class Pipeline:
             recorder.begin_step(self.step_index)
         self._check_loss(targets)
         self._check_usable()
-        before = self.ties.gradients()
         step_inputs = self._inputs(inputs, targets, True)
-        with self._abandoning(f"step {self.step_index}"):
+        with self._abandoning(f"step {self.step_index}"), self.ties.summing_gradients():
             state = self._runtime.run(self.program[self.rank], step_inputs)
-            self._sum_tied_gradients(before)
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1
@@ -315,14 +312,6 @@ class Pipeline:
                 "(over a new process group if you passed group=...)"
             )
         self._p2p.check_open()
-
-    def _sum_tied_gradients(self, before: list[torch.Tensor | None]) -> None:
-        try:
-            self.ties.sum_gradients(before)
-        except RuntimeError as error:  # the backend's: a rank of a tie is lost
-            ranks = sorted({r for *_, g, _ in self.ties.params for r in _members(g)})
-            timeout = timedelta(seconds=self.config.timeout_s)
-            raise self.peers.lost_in(ranks, "summing tied gradients", error, timeout) from error
 
     # -- timelines -------------------------------------------------------------------------
 
@@ -619,8 +608,3 @@ def _signature(chunk: dict[str, Any], device: torch.device) -> str:
     meta = Meta.of(chunk)
     leaves = [(leaf.shape, leaf.dtype, leaf.constant) for leaf in meta.leaves]
     return repr((meta.spec, leaves, autocast_state(device)))
-
-
-def _members(group: dist.ProcessGroup | None) -> list[int]:
-    """Global ranks of ``group`` (None: the world)."""
-    return dist.get_process_group_ranks(group or dist.group.WORLD)

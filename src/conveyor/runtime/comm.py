@@ -279,7 +279,7 @@ _CLOSED: set[str] = set()
 # another, made once per world and shared by every Pipeline. They are made only when the
 # pipeline spans the whole world: a group of some ranks must be made by those ranks alone
 # (``use_local_synchronization``), and torch then names it by how many groups each member
-# already has, which differs on ranks holding a tied-weight group, so the ranks would not
+# already has, which differs on ranks that made other groups of their own, so they would not
 # meet; a pipeline on part of the world uses its group both ways. NCCL's point-to-point
 # channels are already separate per direction.
 _DIRECTIONS: list[dist.ProcessGroup] = []

@@ -1,24 +1,24 @@
 """Tied weights: one parameter used by stages on several ranks, kept identical everywhere.
 
 ties = find_ties(graph, declared=["0.tokens.weight,5.out.weight"])   # or found alone
-tied = TiedWeights(ties, graph, rank, stages, group, timeout)   # shares, then equalizes
-before = tied.gradients(); ...backward...; tied.sum_gradients(before)
+tied = TiedWeights(ties, graph, rank, stages, p2p); tied.equalize()  # share, then equal values
+with tied.summing_gradients(): ...forward and backward of a step...
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conveyor.graph import StageGraph
+from conveyor.runtime.comm import P2P, Meta, Receive
 
-__all__ = ["Tie", "TiedWeights", "find_ties"]
+__all__ = ["SharedParameter", "Tie", "TiedWeights", "find_ties"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +97,35 @@ def find_ties(graph: StageGraph, declared: Sequence[str] = ()) -> list[Tie]:
 
 # Note [tied weights]:
 # Every rank that holds a user of a tie keeps its own copy of the parameter, and the copies
-# must stay one parameter: equal values at the start (the first stage's rank broadcasts its
-# value), and after each step the same gradient everywhere, the sum of all users'
+# must stay one parameter: equal values at the start (the first stage's rank sends its value
+# to the others), and after each step the same gradient everywhere, the sum of all users'
 # contributions, so identical optimizers keep the copies equal. Only the gradient a step adds
-# is summed (gradient accumulation over several steps stays right). Users on one rank share
-# one Parameter object, so autograd adds their contributions itself. The ranks of a tie talk
-# in a process group of their own, created by those ranks alone.
+# is summed: the tied ``.grad`` is set aside before the step and added back after it, so
+# gradient accumulation over several steps stays right and nothing is subtracted (which
+# would round). Users on one rank share one Parameter object, so autograd adds their
+# contributions itself. Every rank adds the contributions in rank order, so the copies agree
+# bit for bit.
+#
+# The contributions travel over the pipeline's own point-to-point transport, not as a
+# collective. See Note [no collective per step].
+
+
+# Note [no collective per step]:
+# torch records every collective a process group runs (all_reduce, broadcast, ...) in its
+# flight recorder, a ring of the last 2,000 (TORCH_FR_BUFFER_SIZE) with the Python stack of
+# the call, about 1.3 KB of host memory each that lives until the ring wraps. Point-to-point
+# sends and receives on gloo are not recorded. Summing a tied gradient with one all_reduce
+# per step therefore added a long-lived allocation to every step, made in the middle of the
+# step's freed activation buffers: glibc carves it out of a freed buffer, which is then too
+# small for the next step's tensor of that size, so the heap grew by about one buffer (64 KB
+# for the demo's GPT) per step for the first 2,000 steps, about 130 MB per rank (measured
+# with heaptrack and mallinfo2; docs/benchmarks.md, section soak). Sent as messages between
+# the tie's ranks, the sum allocates nothing that outlives the step, and the heap stays flat.
 class TiedWeights:
-    """This rank's part of the ties: its shared Parameters and the groups to sum over."""
+    """This rank's part of the ties: its shared Parameters and the peers to sum them with.
+
+    See Note [tied weights].
+    """
 
     def __init__(
         self,
@@ -112,12 +133,12 @@ class TiedWeights:
         graph: StageGraph,
         rank: int,
         stages: dict[int, nn.Module],
-        group: dist.ProcessGroup | None,
-        timeout: timedelta,
+        p2p: P2P,
     ) -> None:
         self.rank = rank
-        self.params: list[tuple[Tie, nn.Parameter, dist.ProcessGroup | None, int]] = []
-        """(tie, this rank's Parameter, the tie's group, its source rank) for cross-rank ties."""
+        self.p2p = p2p
+        self.params: list[SharedParameter] = []
+        """This rank's tied Parameters that other ranks hold copies of."""
         for tie in ties:
             local = [(s, name) for s, name in tie.users if s in stages]
             if not local:
@@ -126,60 +147,125 @@ class TiedWeights:
             for s, name in local[1:]:
                 _set(stages[s], name, param)
             ranks = tie.ranks(graph)
-            if len(ranks) == 1:
-                continue
-            members = tuple(sorted(_global(group, r) for r in ranks))
-            self.params.append((tie, param, _tie_group(members, timeout), _global(group, ranks[0])))
+            if len(ranks) > 1:
+                self.params.append(SharedParameter(tie, param, tuple(ranks)))
         if self.params:
             logger.info(
                 "[rank %d] tied across ranks: %s",
                 rank,
-                ", ".join(f"{t.name} (stages {[s for s, _ in t.users]})" for t, *_ in self.params),
+                ", ".join(
+                    f"{p.tie.name} (stages {[s for s, _ in p.tie.users]})" for p in self.params
+                ),
             )
 
     def equalize(self) -> None:
         """Give every copy the value of the tie's first stage (collective over each tie)."""
-        for _, param, tie_group, source in self.params:
-            with torch.no_grad():
-                dist.broadcast(param.data, src=source, group=tie_group)
+        for shared in self.params:
+            value = self._from_source(shared, shared.param.detach())
+            if value is not None:
+                with torch.no_grad():
+                    shared.param.copy_(value)
 
-    def gradients(self) -> list[torch.Tensor | None]:
-        """The tied gradients now, to pass to ``sum_gradients`` after the step."""
-        return [None if p.grad is None else p.grad.clone() for _, p, _, _ in self.params]
-
-    def sum_gradients(self, before: Sequence[torch.Tensor | None]) -> None:
-        """Add up what this step added to each tied gradient on all its ranks."""
-        for (_, param, tie_group, _), old in zip(self.params, before, strict=True):
-            if not param.requires_grad:  # frozen: the same on every rank, nothing to add
-                continue
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            added = grad if old is None else grad - old
-            dist.all_reduce(added, group=tie_group)
-            param.grad = added if old is None else old + added
+    @contextmanager
+    def summing_gradients(self) -> Iterator[None]:
+        """Around one step: afterwards each tied ``.grad`` holds what it held before plus
+        the sum of what the step added on all the tie's ranks (collective over each tie).
+        If the step raises, the gradients are put back as they were."""
+        before = [p.param.grad for p in self.params]
+        for shared in self.params:
+            shared.param.grad = None
+        try:
+            yield
+        except BaseException:
+            for shared, old in zip(self.params, before, strict=True):
+                shared.param.grad = old
+            raise
+        self._sum_gradients(before)
 
     def max_difference(self) -> float:
         """Largest difference between this rank's copy of a tied value and the first
         stage's (collective); 0.0 while the ties hold."""
         worst = 0.0
-        for _, param, tie_group, source in self.params:
-            reference = param.detach().clone()
-            dist.broadcast(reference, src=source, group=tie_group)
-            worst = max(worst, float((param.detach() - reference).abs().max()))
+        for shared in self.params:
+            reference = self._from_source(shared, shared.param.detach())
+            if reference is not None:
+                worst = max(worst, float((shared.param.detach() - reference).abs().max()))
         return worst
 
+    def _sum_gradients(self, before: Sequence[torch.Tensor | None]) -> None:
+        start = self._now()
+        for shared, old in zip(self.params, before, strict=True):
+            param = shared.param
+            if not param.requires_grad:  # frozen: the same on every rank, nothing to add
+                param.grad = old
+                continue
+            added = param.grad if param.grad is not None else torch.zeros_like(param)
+            total = self._sum(shared, added.detach())
+            param.grad = total if old is None else old.add_(total)
+        self.p2p.wait_sends()
+        self._record("ties", start)
 
-_GROUPS: dict[tuple[int, tuple[int, ...], timedelta], dist.ProcessGroup | None] = {}
+    def _sum(self, shared: SharedParameter, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` added up over the tie's ranks, in rank order (the same bits on each).
 
+        Each pair of ranks exchanges in one global order, the lower rank sending first, so
+        a transport whose sends block until received (NCCL) cannot deadlock.
+        """
+        describe = f"tie {shared.tie.name}"
+        receives: dict[int, Receive] = {}
+        for peer in shared.peers(self.rank):
+            if self.rank < peer:
+                self.p2p.send(tensor, peer, describe)
+            receives[peer] = self.p2p.post(peer, Meta.of(tensor), describe)
+            if self.rank > peer:
+                self.p2p.send(tensor, peer, describe)
+        parts: dict[int, torch.Tensor] = {p: self.p2p.wait(r) for p, r in receives.items()}
+        parts[self.rank] = tensor
+        first, second, *rest = (parts[r] for r in sorted(parts))
+        total = first + second
+        for part in rest:
+            total += part
+        return total
 
-def _tie_group(members: tuple[int, ...], timeout: timedelta) -> dist.ProcessGroup | None:
-    """The process group of these global ranks, created by them alone (once per world and
-    timeout: a silent peer fails its all-reduce after the pipeline's timeout)."""
-    key = (id(dist.group.WORLD), members, timeout)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(
-            list(members), timeout=timeout, use_local_synchronization=True
+    def _from_source(self, shared: SharedParameter, value: torch.Tensor) -> torch.Tensor | None:
+        """The first stage's ``value`` on the tie's other ranks (None on the source rank)."""
+        describe = f"tie {shared.tie.name}"
+        if self.rank == shared.source:
+            for peer in shared.peers(self.rank):
+                self.p2p.send(value, peer, describe)
+            self.p2p.wait_sends()
+            return None
+        received: torch.Tensor = self.p2p.wait(
+            self.p2p.post(shared.source, Meta.of(value), describe)
         )
-    return _GROUPS[key]
+        return received
+
+    def _now(self) -> float:
+        return 0.0 if self.p2p.recorder is None else self.p2p.recorder.now()
+
+    def _record(self, action: str, start: float) -> None:
+        """An event for the tie exchange, carrying the bytes it sent (conveyor.trace)."""
+        if self.p2p.recorder is not None and self.params:
+            self.p2p.recorder.add(action, start, self.p2p.recorder.now())
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """A tied Parameter as one rank holds it, and the ranks holding copies."""
+
+    tie: Tie
+    param: nn.Parameter
+    ranks: tuple[int, ...]
+    """Ranks (in the pipeline's group) holding a user, the first stage's rank first."""
+
+    @property
+    def source(self) -> int:
+        """The rank whose value the copies take: the first stage's."""
+        return self.ranks[0]
+
+    def peers(self, rank: int) -> list[int]:
+        """The other ranks of the tie, in rank order."""
+        return sorted(r for r in self.ranks if r != rank)
 
 
 def _get(module: nn.Module, name: str) -> nn.Parameter:
@@ -189,7 +275,3 @@ def _get(module: nn.Module, name: str) -> nn.Parameter:
 def _set(module: nn.Module, name: str, param: nn.Parameter) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(module.get_submodule(owner) if owner else module, leaf, param)
-
-
-def _global(group: dist.ProcessGroup | None, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
