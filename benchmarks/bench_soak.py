@@ -220,6 +220,18 @@ def stability(results: dict[str, list[RankResult]]) -> list[str]:
     return [*lines, ""]
 
 
+def caveats(results: dict[str, list[RankResult]]) -> list[str]:
+    """What to read a configuration's slope with."""
+    if "demo, keep_host_memory=False" not in results:
+        return []
+    return [
+        "With keep_host_memory=False glibc gives large freed blocks back to the system and "
+        "maps them again, so resident memory moves both ways from step to step: over a short "
+        "window its slope is mostly that noise, and heap in use is the steadier measure.",
+        "",
+    ]
+
+
 def missing(results: dict[str, list[RankResult]]) -> list[str]:
     """The configurations this report lacks, said plainly."""
     names = [s.name for s in configurations() if s.name not in results]
@@ -304,6 +316,7 @@ def render(command: str, results: dict[str, list[RankResult]], args: argparse.Na
             "",
             *before(args.before),
             *missing(results),
+            *caveats(results),
             *stability(results),
             *table(results),
             "",
