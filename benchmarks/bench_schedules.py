@@ -16,6 +16,7 @@ ideal pipeline throughput. Results go to the `schedules` section of docs/benchma
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -43,6 +44,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--section", default="schedules")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
+    parser.add_argument("--save", help="write the raw results here (JSON) after every run")
+    parser.add_argument("--render", help="report the results --save wrote instead of running")
     return parser.parse_args(argv)
 
 
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     systems = args.systems.split(",")
     started, loads = time.perf_counter(), [load_average()]
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in [*systems, "plain"]}
+    if args.render:  # a saved run (--save), perhaps cut short: its finished rounds
+        saved = json.loads(Path(args.render).read_text())
+        rounds, loads, args.rounds = saved["rounds"], saved["loads"], 0
+        started -= saved["seconds"]
     for index in range(args.rounds):
         order = systems[index % len(systems) :] + systems[: index % len(systems)]
         for system in [*order, "plain"]:  # alternate, so drift in the machine hits all
@@ -66,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
             rounds[system].append(result)
             loads.append(load_average())
             print(f"round {index} {system}: load {loads[-1]:.1f}", flush=True)
+            if args.save:  # every finished run, so a long run cut short still has its figures
+                elapsed = time.perf_counter() - started
+                raw = {"rounds": rounds, "loads": loads, "seconds": elapsed}
+                Path(args.save).write_text(json.dumps(raw))
     text = render(args, configs, counts, rounds, loads, time.perf_counter() - started)
     print(text)
     if not args.no_write:
@@ -101,19 +112,43 @@ def render(
         "(1 per rank) for gpipe and 1f1b, 4 (2 per rank, loop placement for interleaved-1f1b, "
         "V for zb-v), layers spread evenly. Each system in its own fresh processes "
         "(torch's never import conveyor), alternating, "
-        f"{args.rounds} rounds of {args.steps} steps after {args.warmup} warm-up; step = "
+        f"{len(rounds['plain'])} rounds of {args.steps} steps after {args.warmup} warm-up; step = "
         "slowest rank's zero_grad + step + optimizer.step between barriers; figures are "
         "medians over rounds of each round's median. Ideal = 2 x plain 1-thread throughput "
         "on the same micro-batches x m / (m + 1). Losses: first step, conveyor vs torch.",
         "",
-        "| schedule | m | conveyor ms | torch ms (class) | torch / conveyor speed-up "
-        "(per round) | conveyor % of ideal | keep_host_memory=False ms | keep on / off speed-up "
-        "| first loss conveyor / torch |",
+        "| schedule | m | conveyor ms | torch ms (class) | conveyor speed-up = torch ms / "
+        "conveyor ms (per round) | conveyor % of ideal | keep_host_memory=False ms | "
+        "keep_host_memory speed-up = off ms / on ms | first loss conveyor / torch |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for schedule, m in configs:
         lines.append(row(schedule, m, rounds, batch))
+    usage = [usage_row(schedule, m, rounds) for schedule, m in configs]
+    if any(usage):
+        lines += [
+            "",
+            "CPU seconds and page faults per step and rank (median over rounds, mean of the "
+            "ranks): unlike wall time they hardly depend on the machine's load.",
+            "",
+            "| schedule | m | conveyor CPU ms / faults | keep_host_memory=False | torch |",
+            "|---|---|---|---|---|",
+            *filter(None, usage),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def usage_row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]]) -> str:
+    key, cells = f"{schedule}/{m}", []
+    for system in SYSTEMS:
+        found = [r["results"][key] for r in rounds.get(system, []) if "cpu_s" in r["results"][key]]
+        if not found:
+            cells.append("-")
+            continue
+        cpu = statistics.median(statistics.mean(r["cpu_s"]) for r in found)
+        faults = statistics.median(statistics.mean(r["faults"]) for r in found)
+        cells.append(f"{cpu * 1e3:.0f} / {faults:,.0f}")
+    return f"| {schedule} | {m} | {' | '.join(cells)} |" if cells.count("-") < 3 else ""
 
 
 def row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]], batch: int) -> str:

@@ -15,6 +15,7 @@ import cProfile
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -201,11 +202,16 @@ def sync() -> None:
         dist.barrier()
 
 
-def timed(step: Step, spec: Spec) -> tuple[list[float], float | None]:
-    """Seconds per step, the slowest rank's (barriers on both sides), after the warm-up;
-    and the first step's loss where this rank knows it."""
+def timed(step: Step, spec: Spec) -> tuple[list[float], float | None, list[float]]:
+    """Seconds per step, the slowest rank's (barriers on both sides), after the warm-up; the
+    first step's loss where this rank knows it; and this rank's CPU seconds and page faults
+    (minor + major) per timed step, which, unlike wall time, hardly depend on what else the
+    machine runs."""
     times, first = [], None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     for index in range(spec.warmup + spec.steps):
+        if index == spec.warmup:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
         sync()
         start = time.perf_counter()
         loss = step()
@@ -214,7 +220,10 @@ def timed(step: Step, spec: Spec) -> tuple[list[float], float | None]:
             first = loss
         if index >= spec.warmup:
             times.append(time.perf_counter() - start)
-    return times, first
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = end.ru_utime + end.ru_stime - usage.ru_utime - usage.ru_stime
+    faults = end.ru_minflt + end.ru_majflt - usage.ru_minflt - usage.ru_majflt
+    return times, first, [cpu / spec.steps, faults / spec.steps]
 
 
 def profiled(step: Step, spec: Spec, rank: int, label: str) -> None:
@@ -246,15 +255,20 @@ def child(spec: Spec, rank: int) -> None:
         results = {}
         for schedule, m in spec.configs:
             step = build(spec, schedule, m, gpt)
-            times, loss = timed(step, spec)
+            times, loss, usage = timed(step, spec)
             if spec.profile:
                 profiled(step, spec, rank, f"{schedule}.{m}")
-            losses: list[Any] = [loss]
+            gathered: list[Any] = [(loss, usage)]
             if world > 1:
-                losses = [None] * world
-                dist.all_gather_object(losses, loss)
-            first = next((v for v in losses if v is not None), None)
-            results[f"{schedule}/{m}"] = {"times": times, "loss": first}
+                gathered = [None] * world
+                dist.all_gather_object(gathered, (loss, usage))
+            first = next((v for v, _ in gathered if v is not None), None)
+            results[f"{schedule}/{m}"] = {
+                "times": times,
+                "loss": first,
+                "cpu_s": [u[0] for _, u in gathered],
+                "faults": [u[1] for _, u in gathered],
+            }
         if rank == 0:
             result = {"results": results, "conveyor_imported": "conveyor" in sys.modules}
             Path(spec.out).write_text(json.dumps(result))
