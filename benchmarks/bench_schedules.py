@@ -1,313 +1,182 @@
-"""Every schedule, conveyor next to torch.distributed.pipelining, side by side in one run.
+"""Every schedule, conveyor vs torch.distributed.pipelining, each out of the box.
 
-    python benchmarks/bench_schedules.py                   # GPT, 8 blocks, d 256, m 8, 2 ranks
-    python benchmarks/bench_schedules.py --repeats 2 --steps 2 --no-write   # a quick look
+    python benchmarks/bench_schedules.py            # gpipe, 1f1b, interleaved-1f1b, zb-v; m 4, 8
+    python benchmarks/bench_schedules.py --rounds 1 --steps 3 --no-write    # a quick look
 
-Two gloo processes (one thread each) build every pipeline once, then time them in alternating
-blocks of steps, so machine noise hits all alike; medians are reported. One more, untimed step
-per pipeline measures peak activation memory per rank: the bytes of tensors autograd saved for
-backward and had not released yet (conveyor.memory.LiveSavedTensors, the same instrument for
-both), and conveyor's (stage, micro-batch) sets against the schedule's theory. Results go to
-the `schedules` section of docs/benchmarks.md.
+Each system runs in fresh processes of its own (benchmarks/ootb.py: 2 gloo ranks, 1 thread
+each; torch's processes never import conveyor), the systems alternating round by round, each
+round running every (schedule, micro-batches) configuration: the same GPT, batch, loss and SGD
+step. A step is the slowest rank's zero_grad + step + optimizer.step between barriers; a
+round's figure is the median of its steps, the table's the median over rounds. conveyor runs
+twice, with its defaults and with ``keep_host_memory=False``, which measures that setting
+alone. Plain training (one process, 1 thread, the batch in the same micro-batches) gives the
+ideal pipeline throughput. Results go to the `schedules` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ootb import RANKS, SCHEDULES, SYSTEMS, Spec, load_average, medians, run_round
 from report import write_section
 
-import conveyor
-from conveyor.graph import place
-from conveyor.models import gpt, gpt_loss, text_batches
-from conveyor.runtime.memory import LiveSavedTensors, alive_peak
-from conveyor.schedule import layout_of
-
-RANKS = 2
+PEER_NAMES = {name: cls for name, (_, _, cls) in SCHEDULES.items()}
 
 
-@dataclass(frozen=True)
-class Case:
-    """One schedule and its counterpart in torch.distributed.pipelining, if it has one."""
-
-    name: str
-    peer: type | None
-    peer_name: str
-
-
-CASES = [
-    Case("gpipe", ScheduleGPipe, "ScheduleGPipe"),
-    Case("1f1b", Schedule1F1B, "Schedule1F1B"),
-    Case("interleaved-1f1b", ScheduleInterleaved1F1B, "ScheduleInterleaved1F1B"),
-    # with one stage per rank, torch's interleaved zero bubble schedule is ZB-H1
-    Case("zb-h1", ScheduleInterleavedZeroBubble, "ScheduleInterleavedZeroBubble"),
-    Case("zb-v", ScheduleZBVZeroBubble, "ScheduleZBVZeroBubble"),
-]
-
-
-def model(args: argparse.Namespace) -> nn.Sequential:
-    torch.manual_seed(0)
-    return gpt(seq_len=args.seq_len, dim=args.dim, num_layers=args.layers, num_heads=8, dropout=0.0)
-
-
-def balance(num_layers: int, num_stages: int) -> list[int]:
-    """Blocks spread evenly; the embedding joins the first stage, the head the last."""
-    blocks = [
-        num_layers // num_stages + (1 if i < num_layers % num_stages else 0)
-        for i in range(num_stages)
-    ]
-    blocks[0] += 1
-    blocks[-1] += 1
-    return blocks
-
-
-def timed(step: Callable[[], None], zero: Callable[[], None], steps: int) -> list[float]:
-    """Seconds per step (the slowest rank's), after one warm-up step."""
-    step()
-    zero()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        zero()
-    return times
-
-
-class Runs:
-    """The pipelines of one rank, by label, with what the report needs about each."""
-
-    def __init__(self) -> None:
-        self.steps: dict[str, Callable[[], None]] = {}
-        self.zero: dict[str, Callable[[], None]] = {}
-        self.memory: dict[str, Callable[[], dict[str, float]]] = {}
-
-
-def add_conveyor(
-    runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
-) -> None:
-    stages = layout_of(case.name).virtual_stages * RANKS
-    pipe, metered = (
-        conveyor.Pipeline(
-            model(args),
-            balance=balance(args.layers, stages),
-            schedule=case.name,
-            num_microbatches=args.microbatches,
-            loss_fn=gpt_loss,
-            timeout_s=300,
-            measure_memory=measured,
-        )
-        for measured in (False, True)
-    )
-    optimizerless = list(pipe.parameters())
-
-    def step() -> None:
-        pipe.step(x, y)
-
-    def memory() -> dict[str, float]:
-        metered.reset_memory()
-        metered.step(x, y)
-        report = metered.memory()
-        return {
-            "saved": report.peak_saved_bytes,
-            "sets": report.peak_microbatches,
-            "theory": alive_peak(pipe.program[rank]),
-        }
-
-    runs.steps[f"conveyor {case.name}"] = step
-    runs.zero[f"conveyor {case.name}"] = lambda: [setattr(p, "grad", None) for p in optimizerless]
-    runs.memory[f"conveyor {case.name}"] = memory
-
-
-def add_peer(
-    runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
-) -> None:
-    assert case.peer is not None
-    layout = layout_of(case.name)
-    num_stages = layout.virtual_stages * RANKS
-    ranks = place(num_stages, RANKS, layout.placement)
-    layers = list(model(args).children())
-    bounds = [0]
-    for count in balance(args.layers, num_stages):
-        bounds.append(bounds[-1] + count)
-    local = [s for s in range(num_stages) if ranks[s] == rank]
-    modules = {s: nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in local}
-    stages = [PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in local]
-    schedule = case.peer(
-        stages if layout.virtual_stages > 1 or case.name == "zb-h1" else stages[0],
-        args.microbatches,
-        loss_fn=gpt_loss,
-    )
-    first, last = 0 in local, num_stages - 1 in local
-    parameters = [p for m in modules.values() for p in m.parameters()]
-
-    def step() -> None:
-        inputs = (x,) if first else ()
-        if last:
-            schedule.step(*inputs, target=y, losses=[], return_outputs=False)
-        else:
-            schedule.step(*inputs, return_outputs=False)
-
-    def memory() -> dict[str, float]:
-        live = LiveSavedTensors(parameters)
-        with live.watching():
-            step()
-        for p in parameters:
-            p.grad = None
-        return {"saved": live.peak_bytes}
-
-    runs.steps[f"torch {case.name}"] = step
-    runs.zero[f"torch {case.name}"] = lambda: [setattr(p, "grad", None) for p in parameters]
-    runs.memory[f"torch {case.name}"] = memory
-
-
-def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=RANKS,
-        timeout=timedelta(seconds=600),
-    )
-    x, y = text_batches(args.batch, args.seq_len, 1)[0]
-    runs = Runs()
-    for case in CASES:
-        if case.name in args.schedules:
-            add_conveyor(runs, case, args, rank, x, y)
-            if case.peer is not None:
-                add_peer(runs, case, args, rank, x, y)
-    times: dict[str, list[float]] = {label: [] for label in runs.steps}
-    for _ in range(args.repeats):
-        for label, step in runs.steps.items():
-            times[label] += timed(step, runs.zero[label], args.steps)
-    memory = {label: measure() for label, measure in runs.memory.items()}
-    gathered: list[Any] = [None] * RANKS
-    dist.all_gather_object(gathered, memory)
-    if rank == 0:
-        torch.save({"times": times, "memory": gathered}, out)
-    dist.destroy_process_group()
-
-
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8, help="transformer blocks")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--microbatches", default="8,4", help="micro-batch counts, one table each")
-    parser.add_argument("--schedules", default=",".join(c.name for c in CASES))
-    parser.add_argument("--repeats", type=int, default=5, help="alternating blocks of steps")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per block")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--microbatches", default="8,4")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--section", default="schedules")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
-    args = parser.parse_args()
-    args.schedules = args.schedules.split(",")
+    parser.add_argument("--save", help="write the raw results here (JSON) after every run")
+    parser.add_argument("--render", help="report the results --save wrote instead of running")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     counts = [int(m) for m in args.microbatches.split(",")]
-    tables = []
-    for count in counts:
-        args.microbatches = count
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "results.pt")
-            mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=RANKS)
-            results = torch.load(out)
-        tables.append(table(args, results))
-        print(tables[-1], flush=True)
-    markdown = "\n\n".join([header(args, counts), *tables])
+    configs = [(s, m) for m in counts for s in args.schedules.split(",")]
+    systems = args.systems.split(",")
+    started, loads = time.perf_counter(), [load_average()]
+    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in [*systems, "plain"]}
+    if args.render:  # a saved run (--save), perhaps cut short: its finished rounds
+        saved = json.loads(Path(args.render).read_text())
+        rounds, loads, args.rounds = saved["rounds"], saved["loads"], 0
+        started -= saved["seconds"]
+    for index in range(args.rounds):
+        order = systems[index % len(systems) :] + systems[: index % len(systems)]
+        for system in [*order, "plain"]:  # alternate, so drift in the machine hits all
+            todo = [("plain", m) for m in counts] if system == "plain" else configs
+            spec = Spec(system, todo, warmup=args.warmup, steps=args.steps)
+            result = run_round(spec)
+            if "error" in result:
+                raise SystemExit(f"{system} failed: {result['error']}")
+            if system != "plain" and not system.startswith("conveyor"):
+                assert not result["conveyor_imported"], "the peer's processes imported conveyor"
+            rounds[system].append(result)
+            loads.append(load_average())
+            print(f"round {index} {system}: load {loads[-1]:.1f}", flush=True)
+            if args.save:  # every finished run, so a long run cut short still has its figures
+                elapsed = time.perf_counter() - started
+                raw = {"rounds": rounds, "loads": loads, "seconds": elapsed}
+                Path(args.save).write_text(json.dumps(raw))
+    text = render(args, configs, counts, rounds, loads, time.perf_counter() - started)
+    print(text)
     if not args.no_write:
-        write_section("schedules", markdown)
+        write_section(args.section, text)
 
 
-def header(args: argparse.Namespace, counts: list[int]) -> str:
-    b = args.batch
+def render(
+    args: argparse.Namespace,
+    configs: list[tuple[str, int]],
+    counts: list[int],
+    rounds: dict[str, list[dict[str, Any]]],
+    loads: list[float],
+    seconds: float,
+) -> str:
+    batch = Spec("", []).batch
+    loaded = max(loads) > 1
     lines = [
-        "## Schedules: conveyor vs torch.distributed.pipelining",
+        "## Schedules: conveyor vs torch.distributed.pipelining, each out of the box",
         "",
-        f"GPT with {args.layers} blocks (d_model {args.dim}, 8 heads, sequence {args.seq_len}, "
-        f"vocabulary 96, no dropout, untied embeddings), batch {b} in "
-        f"{' or '.join(map(str, counts))} micro-batches, "
-        f"{RANKS} ranks (gloo, 1 thread each). Two stages ({balance(args.layers, 2)} layers) "
-        f"for one stage per rank; four ({balance(args.layers, 4)}) for interleaved-1f1b "
-        "(loop placement) and zb-v (V placement). Step time: median over "
-        f"{args.repeats} alternating blocks of {args.steps} steps, the slowest rank's. "
-        "Peak saved: most bytes of tensors autograd had saved for backward and not yet "
-        "released, per rank, measured the same way for both (conveyor.memory."
-        "LiveSavedTensors). Sets: conveyor's measured peak of (stage, micro-batch) activation "
-        "sets alive, against the schedule's theory (conveyor.memory.alive_peak of its "
-        "program).",
+        f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}` "
+        f"({seconds / 60:.1f} min) on "
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}. "
+        f"Load average (1 min) during the run: {min(loads):.1f} to {max(loads):.1f}"
+        + (
+            " — the CPU was shared with other work (load > 1 on 2 cores), so step times are "
+            "noisier and slower than on an idle machine; ratios come from alternating rounds."
+            if loaded
+            else "."
+        ),
         "",
-        f"Command: `python benchmarks/bench_schedules.py` on {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, torch {torch.__version__}; other work may have been "
-        "running on the machine. conveyor's Pipeline keeps freed host memory for reuse "
-        "(`keep_host_memory`, glibc, process-wide: Note [freed host memory]), so torch's "
-        "pipelines, built in the same processes, run with it too.",
+        f"GPT: embedding, 8 blocks (d_model 256, 4 heads), head; sequence 128, vocabulary "
+        f"2048, no dropout; batch {batch}; SGD. {RANKS} gloo ranks of 1 thread each; 2 stages "
+        "(1 per rank) for gpipe and 1f1b, 4 (2 per rank, loop placement for interleaved-1f1b, "
+        "V for zb-v), layers spread evenly. Each system in its own fresh processes "
+        "(torch's never import conveyor), alternating, "
+        f"{len(rounds['plain'])} rounds of {args.steps} steps after {args.warmup} warm-up; step = "
+        "slowest rank's zero_grad + step + optimizer.step between barriers; figures are "
+        "medians over rounds of each round's median. Ideal = 2 x plain 1-thread throughput "
+        "on the same micro-batches x m / (m + 1). Losses: first step, conveyor vs torch.",
+        "",
+        "| schedule | m | conveyor ms | torch ms (class) | conveyor speed-up = torch ms / "
+        "conveyor ms (per round) | conveyor % of ideal | keep_host_memory=False ms | "
+        "keep_host_memory speed-up = off ms / on ms | first loss conveyor / torch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join(lines)
-
-
-def table(args: argparse.Namespace, results: dict[str, Any]) -> str:
-    times, memory = results["times"], results["memory"]
-    median = {label: statistics.median(values) for label, values in times.items()}
-    lines = [
-        f"### {args.microbatches} micro-batches",
-        "",
-        "| schedule | conveyor step (ms) | torch step (ms) | conveyor / torch time "
-        "| conveyor peak saved, rank 0 / 1 (MB) | torch peak saved (MB) "
-        "| conveyor sets, rank 0 / 1 (theory) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for case in CASES:
-        if case.name not in args.schedules:
-            continue
-        ours, theirs = f"conveyor {case.name}", f"torch {case.name}"
-        mine = [memory[r][ours] for r in range(RANKS)]
-        sets = " / ".join(f"{int(m_['sets'])} ({int(m_['theory'])})" for m_ in mine)
-        saved = " / ".join(f"{m_['saved'] / 1e6:.1f}" for m_ in mine)
-        if theirs in median:
-            peer = " / ".join(f"{memory[r][theirs]['saved'] / 1e6:.1f}" for r in range(RANKS))
-            row = (
-                f"| {case.name} | {median[ours] * 1e3:.0f} | {median[theirs] * 1e3:.0f} "
-                f"({case.peer_name}) | {median[ours] / median[theirs]:.2f} | {saved} | "
-                f"{peer} | {sets} |"
-            )
-        else:
-            row = f"| {case.name} | {median[ours] * 1e3:.0f} | - | - | {saved} | - | {sets} |"
-        lines.append(row)
-    if "conveyor zb-h1" in median and "conveyor 1f1b" in median:
-        ratio = median["conveyor zb-h1"] / median["conveyor 1f1b"]
+    for schedule, m in configs:
+        lines.append(row(schedule, m, rounds, batch))
+    usage = [usage_row(schedule, m, rounds) for schedule, m in configs]
+    if any(usage):
         lines += [
             "",
-            f"ZB-H1 / 1F1B step time (conveyor, same 2 stages): {ratio:.3f}; the "
-            f"simulator's ideal (F = I = W): "
-            f"{(3 * args.microbatches + 1) / (3 * args.microbatches + 3):.3f}.",
+            "CPU seconds and page faults per step and rank (median over rounds, mean of the "
+            "ranks): unlike wall time they hardly depend on the machine's load.",
+            "",
+            "| schedule | m | conveyor CPU ms / faults | keep_host_memory=False | torch |",
+            "|---|---|---|---|---|",
+            *filter(None, usage),
         ]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
+
+
+def usage_row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]]) -> str:
+    key, cells = f"{schedule}/{m}", []
+    for system in SYSTEMS:
+        found = [r["results"][key] for r in rounds.get(system, []) if "cpu_s" in r["results"][key]]
+        if not found:
+            cells.append("-")
+            continue
+        cpu = statistics.median(statistics.mean(r["cpu_s"]) for r in found)
+        faults = statistics.median(statistics.mean(r["faults"]) for r in found)
+        cells.append(f"{cpu * 1e3:.0f} / {faults:,.0f}")
+    return f"| {schedule} | {m} | {' | '.join(cells)} |" if cells.count("-") < 3 else ""
+
+
+def row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]], batch: int) -> str:
+    key = f"{schedule}/{m}"
+    ours = medians(rounds.get("conveyor", []), key)
+    theirs = medians(rounds.get("torch", []), key)
+    off = medians(rounds.get("conveyor-keep-off", []), key)
+    plain = medians(rounds["plain"], f"plain/{m}")
+
+    def ms(values: list[float]) -> str:
+        return f"{statistics.median(values) * 1e3:.0f}" if values else "-"
+
+    def ratio(a: list[float], b: list[float]) -> str:
+        return f"{statistics.median(a) / statistics.median(b):.2f}" if a and b else "-"
+
+    per_round = ", ".join(f"{t / o:.2f}" for o, t in zip(ours, theirs, strict=False))
+    ideal = statistics.median(plain) / RANKS * (m + RANKS - 1) / m if plain else None
+    share = f"{ideal / statistics.median(ours):.0%}" if ideal and ours else "-"
+
+    def loss(system: str) -> str:
+        found = [r["results"][key]["loss"] for r in rounds.get(system, [])]
+        return f"{found[0]:.4f}" if found and found[0] is not None else "-"
+
+    return (
+        f"| {schedule} | {m} | {ms(ours)} | {ms(theirs)} ({PEER_NAMES[schedule]}) | "
+        f"**{ratio(theirs, ours)}** ({per_round}) | {share} | {ms(off)} | {ratio(off, ours)} | "
+        f"{loss('conveyor')} / {loss('torch')} |"
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,34 @@ def _exchange(p2p: P2P, peers: list[int], rounds: int) -> None:
         p2p.wait_sends()
 
 
+def _mixed(p2p: P2P, peers: list[int]) -> None:
+    """A message of tensors of several dtypes and odd sizes travels as one transfer (See Note
+    [one message]) and arrives whole, each tensor in its own dtype and shape."""
+
+    def message(src: int) -> dict[str, object]:
+        return {
+            "bytes": torch.arange(3, dtype=torch.uint8) + src,
+            "empty": torch.zeros(0),
+            "ints": torch.arange(5, dtype=torch.int64).reshape(5, 1) * (src + 1),
+            "flags": torch.tensor([True, False, bool(src)]),
+            "value": torch.full((2, 3), 0.5 + src, dtype=torch.float64).t(),
+            "constant": src,
+        }
+
+    receives = {peer: p2p.post(peer, None, f"mixed from {peer}") for peer in peers}
+    for peer in peers:
+        p2p.send(message(p2p.rank), peer, "mixed", header=Meta.of(message(p2p.rank)))
+    for peer, receive in receives.items():
+        got, expected = p2p.wait(receive), message(peer)
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+            else:
+                assert got[name] == value
+    p2p.wait_sends()
+
+
 def _both_ways(rank: int, world_size: int) -> None:
     p2p = P2P(None, torch.device("cpu"), TIMEOUT)
     up, down = p2p._upward, p2p._downward
@@ -36,6 +64,7 @@ def _both_ways(rank: int, world_size: int) -> None:
     assert len({id(up), id(down), id(dist.group.WORLD)}) == 3, "one group per direction"
     assert dist.get_rank(up) == dist.get_rank(down) == rank
     _exchange(p2p, [r for r in range(world_size) if r != rank], rounds=20)
+    _mixed(p2p, [r for r in range(world_size) if r != rank])
     again = P2P(None, torch.device("cpu"), TIMEOUT)
     assert (again._upward, again._downward) == (up, down), "pipelines share them"
 

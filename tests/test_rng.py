@@ -40,3 +40,15 @@ def test_the_callers_generator_is_left_alone() -> None:
     with rng_stream(7, CPU, []):
         torch.rand(10)
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_a_state_received_inside_a_larger_buffer_restores() -> None:
+    """A state that arrives packed with activations is a view at an offset (See Note [one
+    message]); restoring it must give the same stream as the state itself."""
+    torch.manual_seed(3)
+    state = RngState.capture(torch.device("cpu"))
+    expected = torch.rand(4)
+    packed = torch.zeros(64 + state.cpu.numel(), dtype=torch.uint8)
+    packed[64:].copy_(state.cpu)
+    RngState(packed[64:]).restore(torch.device("cpu"))
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)

@@ -63,6 +63,7 @@ class _State:
     rng_end: dict[_Key, RngState] = field(default_factory=dict)
     receives: dict[Action, Receive] = field(default_factory=dict)
     sent_meta: dict[tuple[int, int, int], Meta] = field(default_factory=dict)
+    """What the gradients for each sent message look like: (stage, consumer, micro-batch)."""
     input_grads: dict[_Key, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     weight_grads: dict[_Key, WeightGrad] = field(default_factory=dict)
     """Deferred weight gradients: from a stage's I to its W."""
@@ -111,6 +112,10 @@ class Runtime:
         """(signature, is_training) of the micro-batches stages have run (and compiled) for."""
         self._input_grads = InputGradients(graph, rank, p2p)
         """See Note [input gradients]."""
+
+        self._grad_meta: dict[tuple[int, int, str, bool], Meta] = {}
+        """Per channel and signature (as ``_meta``): the gradients that come back for what was
+        sent, worked out once rather than per message."""
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -396,7 +401,10 @@ class Runtime:
                 "a stage's output shapes must depend only on its input shapes"
             )
         self._meta[key] = meta
-        self._state.sent_meta[(s, d, k)] = Meta.of(values)
+        grads = self._grad_meta.get(key)
+        if grads is None:  # first message of this signature (later ones match it, checked above)
+            grads = self._grad_meta[key] = _grad_meta(Meta.of(values))
+        self._state.sent_meta[(s, d, k)] = grads
         self.p2p.send(
             message, self.graph.rank_of(d), str(action), header=meta if known is None else None
         )
@@ -427,14 +435,7 @@ class Runtime:
     def _recv_backward(self, action: Action) -> None:
         s, k, d = action.stage, action.microbatch, action.peer
         assert d is not None
-        sent = self._state.sent_meta.pop((s, d, k))
-        meta = Meta.of(
-            [
-                torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
-                for leaf in sent.leaves
-                if leaf.requires_grad and leaf.shape is not None
-            ]
-        )
+        meta = self._state.sent_meta.pop((s, d, k))
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
 
 
@@ -457,6 +458,17 @@ class _Recorded:
     def __exit__(self, *exc: Any) -> None:
         self._inner.__exit__(*exc)
         self._recorder.recompute(self._forward, self._starts.pop(), self._recorder.now())
+
+
+def _grad_meta(sent: Meta) -> Meta:
+    """The message of gradients for ``sent``: a flat list, one per leaf requiring a grad."""
+    return Meta.of(
+        [
+            torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+            for leaf in sent.leaves
+            if leaf.requires_grad and leaf.shape is not None
+        ]
+    )
 
 
 def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:

@@ -40,9 +40,16 @@ class RngState:
         return cls(torch.get_rng_state(), torch.get_device_module(device).get_rng_state(device))
 
     def restore(self, device: torch.device) -> None:
-        torch.set_rng_state(self.cpu)
+        torch.set_rng_state(_own_storage(self.cpu))
         if self.device is not None:
-            torch.get_device_module(device).set_rng_state(self.device, device)
+            torch.get_device_module(device).set_rng_state(_own_storage(self.device), device)
+
+
+def _own_storage(state: torch.Tensor) -> torch.Tensor:
+    """``state``, copied if it is a view at an offset into a larger buffer (a received message,
+    See Note [one message]): torch's generators read a state from the start of its storage,
+    ignoring the offset (torch 2.13 rejects the state, or reads past the buffer's end)."""
+    return state if state.storage_offset() == 0 else state.clone()
 
 
 @contextmanager
