@@ -1,7 +1,7 @@
 """Static KV caches: each block's keys and values, preallocated for the whole generation.
 
-    cache = StaticKV(rows=8, heads=4, capacity=160, head_dim=16, dtype=torch.float32)
-    keys, values = cache.extend(new_keys, new_values)   # every position so far
+cache = StaticKV(rows=8, heads=4, capacity=160, head_dim=16, dtype=torch.float32)
+keys, values = cache.extend(new_keys, new_values)   # every position so far
 """
 
 from __future__ import annotations
@@ -39,9 +39,7 @@ class StaticKV:
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    def extend(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``keys`` and ``values`` (rows, heads, new positions, head dim) after the
         filled positions; return views of every filled position.
 

@@ -65,11 +65,12 @@ class _HfLM(CausalLM):
 
     default_cache = "dynamic"
 
-    def __init__(self, model: nn.Module, body: nn.Module, blocks: nn.ModuleList) -> None:
-        self.model = model
-        self.config: Any = getattr(model, "config")  # noqa: B009  # typed Any on purpose
-        self.body = body
-        self.layers = blocks
+    def __init__(self, model: Any, body: Any, blocks: Any) -> None:
+        # Any: transformers is optional, and its modules are reached by attribute
+        self.model: Any = model
+        self.config: Any = model.config
+        self.body: Any = body
+        self.layers: Any = blocks
         self.num_units = len(blocks) + 2
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
@@ -104,7 +105,7 @@ class _HfLM(CausalLM):
         )
 
     def _head(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        head = self.model.get_output_embeddings()  # type: ignore[operator]
+        head = self.model.get_output_embeddings()
         logits: torch.Tensor = head(norm(x[:, -1:]))[:, -1]
         return logits
 
@@ -113,7 +114,7 @@ class HfLlama(_HfLM):
     """``LlamaForCausalLM``: embed_tokens | decoder layers | norm and lm_head."""
 
     def __init__(self, model: nn.Module) -> None:
-        body: Any = getattr(model, "model")  # noqa: B009
+        body: Any = model.model
         super().__init__(model, body, body.layers)
 
     def unit_modules(self, units: range) -> list[nn.Module]:
@@ -122,7 +123,7 @@ class HfLlama(_HfLM):
             if u == 0:
                 found.append(self.body.embed_tokens)
             elif u == self.num_units - 1:
-                found += [self.body.norm, self.model.get_output_embeddings()]  # type: ignore[operator]
+                found += [self.body.norm, self.model.get_output_embeddings()]
             else:
                 found.append(self.layers[u - 1])
         if self.blocks(units):
@@ -131,7 +132,9 @@ class HfLlama(_HfLM):
 
     def cache_bytes_per_position(self, units: range) -> int:
         config = self.config
-        head_dim = getattr(config, "head_dim", None) or self.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or self.hidden_size // config.num_attention_heads
+        )
         per_layer = 2 * config.num_key_value_heads * head_dim * self.dtype.itemsize
         return int(per_layer * len(self.blocks(units)))
 
@@ -160,7 +163,7 @@ class HfGpt2(_HfLM):
     """``GPT2LMHeadModel``: wte + wpe (and dropout) | blocks h | ln_f and lm_head."""
 
     def __init__(self, model: nn.Module) -> None:
-        body: Any = getattr(model, "transformer")  # noqa: B009
+        body: Any = model.transformer
         super().__init__(model, body, body.h)
         self.context_length = int(self.config.n_positions)
 
@@ -170,7 +173,7 @@ class HfGpt2(_HfLM):
             if u == 0:
                 found += [self.body.wte, self.body.wpe, self.body.drop]
             elif u == self.num_units - 1:
-                found += [self.body.ln_f, self.model.get_output_embeddings()]  # type: ignore[operator]
+                found += [self.body.ln_f, self.model.get_output_embeddings()]
             else:
                 found.append(self.layers[u - 1])
         return found

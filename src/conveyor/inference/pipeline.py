@@ -93,7 +93,11 @@ class DecodePipeline:
         for s in self.graph.stages_on(self.rank):
             for module in self.lm.unit_modules(self.units[s]):
                 module.to(self.device)
-        p2p = None if local or self.num_ranks == 1 else P2P(group, self.device, timedelta(seconds=timeout_s))
+        p2p = (
+            None
+            if local or self.num_ranks == 1
+            else P2P(group, self.device, timedelta(seconds=timeout_s))
+        )
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
         self._programs: dict[tuple[int, int, int, int | None], Program] = {}
         self.num_generations = 0
@@ -107,7 +111,7 @@ class DecodePipeline:
     @classmethod
     def from_split(
         cls,
-        model: nn.Module,
+        model: Any,
         graph: StageGraph,
         stages: Mapping[int, nn.Module],
         *,
@@ -140,7 +144,9 @@ class DecodePipeline:
                     "split of the GPT into ranges of layers (balance or split_points)"
                 )
             if stage.index in stages:
-                layers[units[0] : units[-1] + 1] = [stages[stage.index].get_submodule(n) for n in names]
+                layers[units[0] : units[-1] + 1] = [
+                    stages[stage.index].get_submodule(n) for n in names
+                ]
             balance.append(len(units))
         return cls(
             GptLM(layers),
@@ -187,13 +193,17 @@ class DecodePipeline:
         new = self._share(tokens, batch, config.dst)
         if new is None:
             return None
-        return torch.cat([ids.to(new.device), new[:, : generated_length(new, config.eos_token_id)]], 1)
+        return torch.cat(
+            [ids.to(new.device), new[:, : generated_length(new, config.eos_token_id)]], 1
+        )
 
     def program(self, num_groups: int, prompt_length: int, config: GenerationConfig) -> Program:
         """The decode Program of ``num_groups`` groups and prompts of ``prompt_length`` tokens."""
         key = (num_groups, prompt_length, config.max_new_tokens, config.prefill_chunk)
         if key not in self._programs:
-            items = decode_items(num_groups, prompt_length, config.max_new_tokens, config.prefill_chunk)
+            items = decode_items(
+                num_groups, prompt_length, config.max_new_tokens, config.prefill_chunk
+            )
             self._programs[key] = decode_program(self.graph.topology(), items)
         return self._programs[key]
 
@@ -301,7 +311,9 @@ class DecodePipeline:
         if self.num_ranks > 1:
             parts = [None] * self.num_ranks
             dist.all_gather_object(parts, part, group=self.group)
-        return merge(parts, {"schedule": "decode", "ranks": self.num_ranks, "balance": list(self.balance)})
+        return merge(
+            parts, {"schedule": "decode", "ranks": self.num_ranks, "balance": list(self.balance)}
+        )
 
 
 def generate(
@@ -347,7 +359,9 @@ def _stage_units(lm: CausalLM, balance: Sequence[int]) -> dict[int, range]:
             f"positive counts that sum to {lm.num_units}, or omit balance to split evenly"
         )
     starts = [sum(balance[:i]) for i in range(len(balance))]
-    return {s: range(start, start + b) for s, (start, b) in enumerate(zip(starts, balance, strict=True))}
+    return {
+        s: range(start, start + b) for s, (start, b) in enumerate(zip(starts, balance, strict=True))
+    }
 
 
 def _group_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -1,11 +1,12 @@
 """Prompts as a generation takes them: left-padded ids, attention masks, positions, groups.
 
-    ids, mask = prepare_prompts([torch.tensor([5, 6, 7]), torch.tensor([8])], None, pad=0)
-    # ids = [[5, 6, 7], [0, 0, 8]], mask = [[1, 1, 1], [0, 0, 1]] (bool)
+ids, mask = prepare_prompts([torch.tensor([5, 6, 7]), torch.tensor([8])], None, pad=0)
+# ids = [[5, 6, 7], [0, 0, 8]], mask = [[1, 1, 1], [0, 0, 1]] (bool)
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -91,7 +92,7 @@ def groups_of(batch_size: int, num_groups: int) -> tuple[range, ...]:
     starts = [0]
     for g in range(num_groups):
         starts.append(starts[-1] + base + (1 if g < extra else 0))
-    return tuple(range(a, b) for a, b in zip(starts, starts[1:], strict=False))
+    return tuple(range(a, b) for a, b in itertools.pairwise(starts))
 
 
 def generated_length(tokens: torch.Tensor, eos_token_id: Sequence[int]) -> int:

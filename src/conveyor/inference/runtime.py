@@ -138,7 +138,9 @@ class DecodeRuntime:
     def _new_caches(self, batch: Batch) -> dict[tuple[int, int], Any]:
         capacity = int(batch.key_mask.shape[1])
         return {
-            (s, g): self.lm.new_cache(self.units[s], len(rows), capacity, self.device, batch.cache_kind)
+            (s, g): self.lm.new_cache(
+                self.units[s], len(rows), capacity, self.device, batch.cache_kind
+            )
             for s in self.local
             for g, rows in enumerate(batch.groups)
         }
@@ -183,7 +185,9 @@ class DecodeRuntime:
         from this rank's own stages or from a peer."""
         if s == 0 and item.source is None:
             rows = self._batch.groups[item.group]
-            ids = self._batch.input_ids[rows.start : rows.stop, item.start : item.start + item.length]
+            ids = self._batch.input_ids[
+                rows.start : rows.stop, item.start : item.start + item.length
+            ]
             return {"value": ids, "done": torch.tensor(False, device=self.device)}
         if s == 0:
             assert item.source is not None

@@ -49,7 +49,9 @@ def decode_items(
             f"a prompt of {prompt_length} and {max_new_tokens} new tokens"
         )
     chunk = prefill_chunk or prompt_length
-    rounds = [(start, min(chunk, prompt_length - start)) for start in range(0, prompt_length, chunk)]
+    rounds = [
+        (start, min(chunk, prompt_length - start)) for start in range(0, prompt_length, chunk)
+    ]
     num_chunks = len(rounds)
     rounds += [(prompt_length + t, 1) for t in range(max_new_tokens - 1)]
     return tuple(
@@ -133,7 +135,10 @@ class _ListSchedule:
         elif self.items[k].source is not None:
             source = self.items[k].source
             assert source is not None
-            producer, sent = (self.graph.sink, source), Action(self.graph.sink, Kind.SEND_F, source, 0)
+            producer, sent = (
+                (self.graph.sink, source),
+                Action(self.graph.sink, Kind.SEND_F, source, 0),
+            )
         else:
             return 0.0
         if producer not in self.finish:

@@ -47,9 +47,7 @@ class Embedding(nn.Module):
 class KeyValueCache(Protocol):
     """One block's keys and values of earlier positions (conveyor.inference.cache.StaticKV)."""
 
-    def extend(
-        self, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``keys`` and ``values`` (batch, heads, new positions, head dim); return the
         keys and values of every position so far."""
         ...
