@@ -6,13 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from conveyor.graph import chain
 from conveyor.inference import decode_items, decode_program
 from conveyor.inference.cost import DecodeCost, Fit, StageFit, pairs
-from conveyor.inference.gpt import GptLM
-from conveyor.models import gpt
+from conveyor.inference.parallelism import LayerCosts, compare
 from conveyor.planner.profile import Link, Overheads
 from conveyor.program import Action, Kind, Program
 from conveyor.schedule import ProgramError, validate
@@ -120,14 +118,13 @@ def test_decode_costs_charge_items_messages_and_overheads() -> None:
     graph = chain(2)
     items = decode_items(2, 8, 2)
     groups = [range(0, 3), range(3, 5)]
-    lm = GptLM(list(gpt(dim=16, num_heads=2, num_layers=2, seq_len=16).to(torch.float64)))
     fit = StageFit(decode=Fit(1.0, 0.1, 0.0), prefill=Fit(2.0, 0.01, 0.0))
     cost = DecodeCost(
         [fit, fit],
         graph,
         items,
         groups,
-        lm,
+        16 * 8,  # width 16, float64
         link=Link(latency=0.5, bandwidth=1e3),
         overheads=Overheads(send=0.25, recv=0.125, wait=0.0625),
         forward_overhead=0.03125,
@@ -142,3 +139,36 @@ def test_decode_costs_charge_items_messages_and_overheads() -> None:
     assert cost.overhead(hidden) == 0.25 and cost.overhead(feedback) == 0.125
     timeline = simulate(decode_program(graph, items), graph, cost)
     assert timeline.step_time > 4 * 2.0  # two prefills per rank, then decode steps
+
+
+def test_parallelisms_on_paper_agree_on_one_device_and_split_memory() -> None:
+    block = StageFit(decode=Fit(1e-4, 1e-3, 1e-8), prefill=Fit(1e-4, 1e-4, 1e-8))
+    tiny = StageFit(decode=Fit(1e-5, 0.0, 0.0), prefill=Fit(1e-5, 0.0, 0.0))
+    costs = LayerCosts(
+        tiny,
+        block,
+        tiny,
+        hidden_size=64,
+        num_heads=4,
+        dtype_bytes=4,
+        block_params=1000,
+        head_params=500,
+    )
+    link = Link(latency=1e-5, bandwidth=1e9)
+    alone = {e.strategy: e for e in compare(costs, 8, link, [1], [256], new_tokens=5)}
+    plain = 8 * block.prefill.time(1, 256, 0) + 2 * tiny.prefill.time(1, 256, 0)
+    for result in alone.values():  # one device: nothing to split, nothing to send
+        assert result.time_to_first_token == pytest.approx(plain, rel=0.05)
+    found = compare(costs, 8, link, [2, 8], [256, 4096])
+    assert {(e.strategy, e.devices) for e in found} == {
+        (s, p) for s in ("pipeline", "context") for p in (2, 8)
+    } | {("tensor", 2)}  # 4 heads: at most 4 devices of tensor parallelism
+    for e in found:
+        assert e.kv_bytes_per_device == 2 * 8 * (e.prompt + 16) * 64 * 4 / e.devices
+        replicated = e.strategy == "context"
+        assert e.weight_bytes_per_device == (8 * 1000 + 500) * 4 / (1 if replicated else e.devices)
+    by = {(e.strategy, e.devices, e.prompt): e for e in found}
+    # a long prompt: context parallelism divides the quadratic attention, as pipelines with
+    # chunks do, and both beat tensor parallelism's two all-reduces per layer at 2 devices
+    long = [by[(s, 8, 4096)].time_to_first_token for s in ("pipeline", "context")]
+    assert max(long) < by[("pipeline", 2, 4096)].time_to_first_token

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,16 +153,19 @@ def simulate_decode(args: argparse.Namespace) -> int:
 # -- the worker (one per rank, under torchrun) ---------------------------------------------
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""Files a tokenizer saved beside a model leaves (save_pretrained)."""
+
+
 def load_model(job: GenerateJob) -> tuple[nn.Module, Any]:
     """(model, tokenizer or None), built the same way on every rank."""
     if job.model != "gpt":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model: Any = AutoModelForCausalLM.from_pretrained(job.model, local_files_only=True)
-        try:
+        tokenizer = None  # saved without one: ids in, ids out
+        if any((Path(job.model) / name).is_file() for name in _TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(job.model, local_files_only=True)
-        except (OSError, ValueError):  # saved without a tokenizer: ids in, ids out
-            tokenizer = None
         return model, tokenizer
     from conveyor.checkpoint import load_model as load_checkpoint
     from conveyor.models import gpt
@@ -199,35 +201,34 @@ def _text(job: GenerateJob, tokenizer: Any, ids: torch.Tensor) -> str:
 
 
 def run(job: GenerateJob, config: GenerationConfig) -> torch.Tensor | None:
-    """Generate on this rank (torch.distributed initialized); logs the results on rank 0."""
+    """Generate on this rank (torch.distributed initialized): rank 0 logs the texts, the
+    rank of the last stage the timings."""
     model, tokenizer = load_model(job)
     prompts = _prompts(job, tokenizer)
     decoder = DecodePipeline(model, balance=job.balance, trace=job.trace is not None)
-    first = time.perf_counter()
-    decoder.generate(prompts, config, max_new_tokens=1)
-    start = time.perf_counter()
     tokens = decoder.generate(prompts, config)
-    seconds = time.perf_counter() - start
-    assert tokens is not None
-    new = tokens.shape[1] - max(p.numel() for p in prompts)
+    assert tokens is not None and decoder.stats is not None
+    width = max(p.numel() for p in prompts)
     if decoder.rank == 0:
-        width = tokens.shape[1] - new
         for row, prompt in enumerate(prompts):
             logger.info(
                 "%r -> %r",
                 _text(job, tokenizer, prompt),
                 _text(job, tokenizer, tokens[row, width:]),
             )
+    stats = decoder.stats
+    if stats.time_to_first_token is not None:
+        throughput = stats.decode_tokens_per_s
         logger.info(
-            "%d sequences x %d new tokens on %d ranks in %.3f s: time to first token %.1f ms, "
-            "decode %.1f tokens/s (%d groups in flight)",
-            len(prompts),
-            new,
+            "%d sequences x %d new tokens on %d ranks (%d groups in flight) in %.3f s: time to "
+            "first token %.1f ms, decode %s tokens/s",
+            stats.num_sequences,
+            stats.new_tokens,
             decoder.num_ranks,
-            seconds,
-            (start - first) * 1e3,
-            len(prompts) * max(new - 1, 0) / max(seconds - (start - first), 1e-9),
             decoder.num_groups(len(prompts), config),
+            stats.seconds,
+            stats.time_to_first_token * 1e3,
+            "-" if throughput is None else f"{throughput:.1f}",
         )
     if job.trace is not None:
         _write_trace(decoder, job.trace)

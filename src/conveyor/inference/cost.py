@@ -53,6 +53,18 @@ class Fit:
             self.fixed + self.per_token * rows * length + self.per_pair * pairs(rows, length, start)
         )
 
+    def __add__(self, other: Fit) -> Fit:
+        """Both, one after the other (a stage of several units)."""
+        return Fit(
+            self.fixed + other.fixed,
+            self.per_token + other.per_token,
+            self.per_pair + other.per_pair,
+        )
+
+    def __mul__(self, count: float) -> Fit:
+        """``count`` of these in a row (a stage of ``count`` equal blocks)."""
+        return Fit(self.fixed * count, self.per_token * count, self.per_pair * count)
+
     @classmethod
     def of(cls, points: Sequence[tuple[int, int, int, float]]) -> Fit:
         """Least squares through (rows, length, start, seconds) points, coefficients >= 0."""
@@ -81,6 +93,12 @@ class StageFit:
 
     def time(self, rows: int, length: int, start: int) -> float:
         return (self.decode if length == 1 else self.prefill).time(rows, length, start)
+
+    def __add__(self, other: StageFit) -> StageFit:
+        return StageFit(self.decode + other.decode, self.prefill + other.prefill)
+
+    def __mul__(self, count: float) -> StageFit:
+        return StageFit(self.decode * count, self.prefill * count)
 
 
 def profile_stage(
@@ -169,16 +187,22 @@ class DecodeCost:
         graph: StageGraph,
         items: Sequence[Item],
         groups: Sequence[range],
-        lm: CausalLM,
+        hidden_bytes: int,
         *,
         link: Link | None = None,
         overheads: Overheads | None = None,
         forward_overhead: float = 0.0,
     ) -> None:
+        """
+        Args:
+            fits: each stage's fit.
+            groups: the batch's rows in each group.
+            hidden_bytes: bytes of one token's hidden state (hidden size x dtype size).
+        """
         if len(fits) != graph.num_stages:
             raise ValueError(f"{len(fits)} stage fits for {graph.num_stages} stages; give one each")
         self.fits, self.graph, self.items, self.groups = fits, graph, items, groups
-        self.hidden_bytes = lm.hidden_size * lm.dtype.itemsize
+        self.hidden_bytes = hidden_bytes
         self.link = link
         self.overheads = overheads or Overheads()
         self.forward_overhead = forward_overhead

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -35,9 +37,31 @@ from conveyor.runtime.comm import P2P
 from conveyor.split import even_balance
 from conveyor.trace import Recorder, Timeline, merge
 
-__all__ = ["DecodePipeline", "generate"]
+__all__ = ["DecodePipeline", "GenerationStats", "generate"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """How long one generate call took on this rank."""
+
+    seconds: float
+    """From the call until the tokens were shared."""
+    time_to_first_token: float | None
+    """From the call until every sequence had its first new token; known on the rank that
+    holds the last stage (None elsewhere)."""
+    num_sequences: int
+    new_tokens: int
+    """New tokens per sequence (fewer than max_new_tokens if every sequence stopped)."""
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """New tokens after the first, per second of decoding, over the batch."""
+        if self.time_to_first_token is None or self.new_tokens < 2:
+            return None
+        decoding = self.seconds - self.time_to_first_token
+        return self.num_sequences * (self.new_tokens - 1) / decoding if decoding > 0 else None
 
 
 class DecodePipeline:
@@ -101,6 +125,8 @@ class DecodePipeline:
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
         self._programs: dict[tuple[int, int, int, int | None], Program] = {}
         self.num_generations = 0
+        self.stats: GenerationStats | None = None
+        """Timings of the last generate call."""
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing: one recorded step per generate call."""
         if trace:
@@ -178,6 +204,7 @@ class DecodePipeline:
             ValueError: a prompt longer than the model's context, caches over the memory
                 budget, or malformed prompts or settings.
         """
+        start = time.perf_counter()
         config = (config or GenerationConfig()).replace(**options)
         ids, mask = prepare_prompts(input_ids, attention_mask, config.pad_token_id)
         self._check(ids, config)
@@ -185,17 +212,23 @@ class DecodePipeline:
         program = self.program(len(batch.groups), ids.shape[1], config)
         if self.recorder is not None:
             self.recorder.begin_step(self.num_generations)
-        with _eval_mode(self._modules()):
+        with _eval_mode(self._local_modules()):
             tokens = self._runtime.run(program[self.rank], batch)
         if self.recorder is not None:
             self.recorder.end_step()
         self.num_generations += 1
         new = self._share(tokens, batch, config.dst)
-        if new is None:
-            return None
-        return torch.cat(
-            [ids.to(new.device), new[:, : generated_length(new, config.eos_token_id)]], 1
+        length = config.max_new_tokens
+        if new is not None:
+            length = generated_length(new, config.eos_token_id)
+        first = self._runtime.first_token
+        self.stats = GenerationStats(
+            time.perf_counter() - start,
+            None if first is None else first - start,
+            int(ids.shape[0]),
+            length,
         )
+        return None if new is None else torch.cat([ids.to(new.device), new[:, :length]], 1)
 
     def program(self, num_groups: int, prompt_length: int, config: GenerationConfig) -> Program:
         """The decode Program of ``num_groups`` groups and prompts of ``prompt_length`` tokens."""
@@ -290,7 +323,7 @@ class DecodePipeline:
             dist.recv(new, group=self.group, group_src=sink)
         return new if self.rank == dst else None
 
-    def _modules(self) -> list[nn.Module]:
+    def _local_modules(self) -> list[nn.Module]:
         return [
             module
             for s in self.graph.stages_on(self.rank)

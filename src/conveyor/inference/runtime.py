@@ -11,6 +11,7 @@ records padding for them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,8 @@ class _State:
     receives: dict[Action, Receive] = field(default_factory=dict)
     tokens: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Per group, the tokens sampled so far (one (rows,) tensor per new token)."""
+    first_token: float | None = None
+    """``time.perf_counter()`` when the last group sampled its first token (last stage)."""
 
 
 class DecodeRuntime:
@@ -96,6 +99,9 @@ class DecodeRuntime:
         self.device = device
         self.local = graph.stages_on(rank)
         self.recorder: Recorder | None = None
+        self.first_token: float | None = None
+        """When the last run's every sequence had its first token (on the last stage's
+        rank, else None), ``time.perf_counter()`` seconds."""
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.SEND_F: self._send,
@@ -124,6 +130,7 @@ class DecodeRuntime:
             if self.p2p is not None:
                 self.p2p.wait_sends()
         state, self._state = self._state, _State({}, {})
+        self.first_token = state.first_token
         return state.tokens
 
     @property
@@ -175,7 +182,10 @@ class DecodeRuntime:
         """The last stage: the group's next tokens, kept, and fed back if an item takes them."""
         sampler = self._state.samplers[item.group]
         tokens = sampler.pad() if logits is None else sampler(logits)
-        self._state.tokens.setdefault(item.group, []).append(tokens)
+        sampled = self._state.tokens.setdefault(item.group, [])
+        sampled.append(tokens)
+        if len(sampled) == 1 and len(self._state.tokens) == len(self._batch.groups):
+            self._state.first_token = time.perf_counter()
         if k in self._fed:
             done = torch.tensor(sampler.done, device=self.device)
             self._state.outputs[(self.graph.sink, k)] = {"value": tokens, "done": done}
