@@ -70,4 +70,12 @@ class GenerationConfig:
             raise ValueError(f"dst must be a rank >= 0, got {self.dst}")
 
     def replace(self, **changes: Any) -> GenerationConfig:
+        """This config with ``changes`` (field names) applied and validated."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown generation settings {unknown}; expected GenerationConfig fields "
+                f"{sorted(names)}"
+            )
         return dataclasses.replace(self, **changes)

@@ -114,9 +114,8 @@ class DecodePipeline:
                 f"{self.graph.num_ranks}` or change balance/placement"
             )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        for s in self.graph.stages_on(self.rank):
-            for module in self.lm.unit_modules(self.units[s]):
-                module.to(self.device)
+        for module in self._local_modules():
+            module.to(self.device)
         p2p = (
             None
             if local or self.num_ranks == 1

@@ -10,7 +10,6 @@ every group), so item k belongs to group k mod G.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from conveyor.graph import StageGraph
@@ -96,13 +95,14 @@ class _ListSchedule:
     def __init__(self, graph: StageGraph, items: tuple[Item, ...], cost: CostModel) -> None:
         self.graph, self.items, self.cost = graph, items, cost
         self.finish: dict[tuple[int, int], float] = {}
+        self.ready: dict[tuple[int, int], float] = {}
         self.free = [0.0] * graph.num_ranks
         num_groups = 1 + max(i.group for i in items)
-        self.queues = {  # (stage, group) -> that group's items the stage has still to run
-            (s.index, g): [k for k, i in enumerate(items) if i.group == g]
-            for s in graph.stages
-            for g in range(num_groups)
-        }
+        by_group = [[k for k, i in enumerate(items) if i.group == g] for g in range(num_groups)]
+        self.queues = [  # per rank: (stage, that group's items the stage has still to run)
+            [(s, list(by_group[g])) for s in graph.stages_on(rank) for g in range(num_groups)]
+            for rank in range(graph.num_ranks)
+        ]
 
     def run(self) -> list[list[Action]]:
         orders: list[list[Action]] = [[] for _ in range(self.graph.num_ranks)]
@@ -110,43 +110,40 @@ class _ListSchedule:
             found = [c for c in map(self._choose, range(self.graph.num_ranks)) if c is not None]
             if not found:
                 raise AssertionError("decode list scheduling stalled; this is a conveyor bug")
-            start, k, s = min(found)
+            start, k, s, rank, queue = min(found, key=lambda c: c[:3])
             action = Action(s, Kind.F, k)
-            rank = self.graph.rank_of(s)
             self.finish[(s, k)] = self.free[rank] = start + self.cost.compute(action)
-            self.queues[(s, self.items[k].group)].pop(0)
+            queue.pop(0)
             orders[rank].append(action)
         return orders
 
-    def _choose(self, rank: int) -> tuple[float, int, int] | None:
-        """(start, item, stage) of what ``rank`` runs next, or None if nothing is ready."""
-        ready = []
-        for (s, _), queue in self.queues.items():
-            if queue and self.graph.rank_of(s) == rank:
-                at = self._ready_at(s, queue[0])
-                if at is not None:
-                    ready.append((max(self.free[rank], at), queue[0], s))
-        return min(ready, default=None)
+    def _choose(self, rank: int) -> tuple[float, int, int, int, list[int]] | None:
+        """(start, item, stage, rank, queue) of what ``rank`` runs next, or None if nothing
+        is ready."""
+        best = None
+        for s, queue in self.queues[rank]:
+            if not queue:
+                continue
+            at = self._ready_at(s, queue[0])
+            if at is not None and (best is None or (max(self.free[rank], at), queue[0]) < best[:2]):
+                best = (max(self.free[rank], at), queue[0], s, rank, queue)
+        return best
 
     def _ready_at(self, s: int, k: int) -> float | None:
         """When the input of stage ``s`` for item ``k`` is there, or None if not yet computed."""
+        if (s, k) in self.ready:
+            return self.ready[(s, k)]
+        source = self.items[k].source
         if s > 0:
-            producer, sent = (s - 1, k), Action(s - 1, Kind.SEND_F, k, s)
-        elif self.items[k].source is not None:
-            source = self.items[k].source
-            assert source is not None
-            producer, sent = (
-                (self.graph.sink, source),
-                Action(self.graph.sink, Kind.SEND_F, source, 0),
-            )
+            producer = (s - 1, k)
+        elif source is not None:
+            producer = (self.graph.sink, source)
         else:
             return 0.0
         if producer not in self.finish:
             return None
-        remote = self.graph.rank_of(producer[0]) != self.graph.rank_of(s)
-        return self.finish[producer] + (self.cost.transfer(sent) if remote else 0.0)
-
-
-def num_rounds(prompt_length: int, max_new_tokens: int, prefill_chunk: int | None) -> int:
-    """Rounds of items: prompt chunks, then one per new token after the first."""
-    return math.ceil(prompt_length / (prefill_chunk or prompt_length)) + max_new_tokens - 1
+        at = self.finish[producer]
+        if self.graph.rank_of(producer[0]) != self.graph.rank_of(s):
+            at += self.cost.transfer(Action(producer[0], Kind.SEND_F, producer[1], s))
+        self.ready[(s, k)] = at
+        return at
