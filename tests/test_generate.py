@@ -233,6 +233,12 @@ def test_bad_input_fails_before_any_message() -> None:
         GenerationConfig(temperature=0.0)
     with pytest.raises(ValueError, match="top_p must be in"):
         generate(model, ids, top_p=1.5)
+    with pytest.raises(TypeError, match=r"unknown generation settings \['max_tokens'\]"):
+        generate(model, ids, max_tokens=3)
+    with pytest.raises(ValueError, match="covers 2 units but the model has 4"):
+        DecodePipeline(model, balance=[1, 1], local=True)
+    with pytest.raises(ValueError, match="places 2 stages on 2 ranks but the process group has 1"):
+        DecodePipeline(model, balance=[2, 2], local=True)
 
 
 # -- on ranks ------------------------------------------------------------------------------

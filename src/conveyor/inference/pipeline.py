@@ -92,6 +92,7 @@ class DecodePipeline:
                 with the last, one stage per rank (or per ``placement`` entry).
             placement: rank of each stage; default: stage i on rank i.
             group: the pipeline's process group (default: the world).
+            device: where this rank's stages run (default: where their parameters are).
             local: run every stage in this process, without torch.distributed.
         """
         self.lm = as_causal_lm(model)
@@ -113,7 +114,7 @@ class DecodePipeline:
                 f"process group has {self.num_ranks}; launch with `conveyor run -n "
                 f"{self.graph.num_ranks}` or change balance/placement"
             )
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else self._model_device()
         for module in self._local_modules():
             module.to(self.device)
         p2p = (
@@ -321,6 +322,13 @@ class DecodePipeline:
         elif self.rank == dst:
             dist.recv(new, group=self.group, group_src=sink)
         return new if self.rank == dst else None
+
+    def _model_device(self) -> torch.device:
+        """The device of this rank's parameters (CPU for a model without any)."""
+        for module in self._local_modules():
+            for parameter in module.parameters():
+                return parameter.device
+        return torch.device("cpu")
 
     def _local_modules(self) -> list[nn.Module]:
         return [
