@@ -16,7 +16,7 @@ inference, on paper).
 from conveyor.inference.config import GenerationConfig
 from conveyor.inference.lm import CausalLM, Context
 from conveyor.inference.models import as_causal_lm
-from conveyor.inference.pipeline import DecodePipeline, generate
+from conveyor.inference.pipeline import DecodePipeline, GenerationStats, generate
 from conveyor.inference.schedule import Item, decode_items, decode_program
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Context",
     "DecodePipeline",
     "GenerationConfig",
+    "GenerationStats",
     "Item",
     "as_causal_lm",
     "decode_items",

@@ -2,7 +2,7 @@
 charged per item, with the runtime's overheads and the measured link.
 
     fits = [profile_stage(lm, units, rows=[4, 8], starts=[128, 1024]) for units in stages]
-    cost = DecodeCost(fits, graph, items, groups, lm, link=link, overheads=overheads)
+    cost = DecodeCost(fits, graph, items, groups, hidden_bytes, link=link)
     timeline = simulate(program, graph, cost)                 # predicted, in seconds
 
 A stage's time is fitted as ``fixed + per_token * tokens + per_pair * pairs``, where tokens
