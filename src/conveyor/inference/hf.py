@@ -8,8 +8,16 @@ Each stage builds its attention mask with ``transformers.masking_utils.create_ca
 sized against its own first layer's cache (a stage's cache holds only its own layers), and
 Llama's rotary embeddings from the positions every rank knows, so only hidden states travel
 between stages. Only architectures whose forward is known to be reproduced exactly are
-accepted (``SUPPORTED``); the export-based front end of the real-models issue replaces this
-hand split for the others.
+accepted (``SUPPORTED``).
+
+Why not the export front end (conveyor.split.export), which splits any Hugging Face model
+unedited: it traces the forward with ``use_cache=False``, so its stage graphs hold no cache
+and compute the attention mask and positions once, in the first stage, for the whole
+sequence. Generation needs each stage to keep its layers' keys and values between calls and
+to run both a prompt and a single token against them: a stage graph exported with a static
+cache as mutable buffers (as transformers.integrations.executorch does for a whole model),
+``cache_position`` and the attention mask as inputs of every stage, and logits of the last
+position only. Until the front end exports stages that way, this hand split is the path.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ def hf_causal_lm(model: nn.Module) -> CausalLM:
     if config.model_type not in SUPPORTED:
         raise TypeError(
             f"generation with a hand split supports Hugging Face model types {list(SUPPORTED)}, "
-            f"got {config.model_type!r} ({type(model).__name__}); split it with the export "
-            "front end once it lands, or adapt it as a conveyor.inference.lm.CausalLM"
+            f"got {config.model_type!r} ({type(model).__name__}); adapt it as a "
+            "conveyor.inference.lm.CausalLM (see conveyor.inference.hf for what it runs)"
         )
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
         raise TypeError(
