@@ -235,6 +235,10 @@ def test_bad_input_fails_before_any_message() -> None:
         generate(model, ids, top_p=1.5)
     with pytest.raises(TypeError, match=r"unknown generation settings \['max_tokens'\]"):
         generate(model, ids, max_tokens=3)
+    with torch.device("meta"):
+        unloaded = small_gpt(layers=2)
+    with pytest.raises(ValueError, match=r"stage 0's Embedding has 'tokens.weight' on the meta"):
+        DecodePipeline(unloaded, local=True)
     with pytest.raises(ValueError, match="covers 2 units but the model has 4"):
         DecodePipeline(model, balance=[1, 1], local=True)
     with pytest.raises(ValueError, match="places 2 stages on 2 ranks but the process group has 1"):

@@ -114,6 +114,7 @@ class DecodePipeline:
                 f"process group has {self.num_ranks}; launch with `conveyor run -n "
                 f"{self.graph.num_ranks}` or change balance/placement"
             )
+        self._check_materialized()
         self.device = torch.device(device) if device is not None else self._model_device()
         for module in self._local_modules():
             module.to(self.device)
@@ -322,6 +323,19 @@ class DecodePipeline:
         elif self.rank == dst:
             dist.recv(new, group=self.group, group_src=sink)
         return new if self.rank == dst else None
+
+    def _check_materialized(self) -> None:
+        """Refuse this rank's modules if they hold meta tensors: they have no values to run."""
+        for s in self.graph.stages_on(self.rank):
+            for module in self.lm.unit_modules(self.units[s]):
+                for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                    if tensor.is_meta:
+                        raise ValueError(
+                            f"stage {s}'s {type(module).__name__} has {name!r} on the meta "
+                            "device, without values; load the weights first (e.g. "
+                            "model.load_state_dict(state, assign=True) or from_pretrained) "
+                            "or build the model on a real device"
+                        )
 
     def _model_device(self) -> torch.device:
         """The device of this rank's parameters (CPU for a model without any)."""
