@@ -272,7 +272,9 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
         f"{overheads.send * 1e6:.0f} us, receive {overheads.recv * 1e6:.0f} us).",
         "",
         f"Command: `python benchmarks/bench_generate.py` on {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, torch {torch.__version__}.",
+        f"{os.cpu_count()} CPU cores, torch {torch.__version__}; load average at the end "
+        f"{os.getloadavg()[0]:.1f} (other jobs on the same cores slow every row, and the ranks "
+        "unevenly).",
         "",
         "| batch | prompt | run | TTFT (ms) | decode tokens/s | vs naive pipeline | "
         "vs unsplit 1 thread | predicted TTFT (ms) | predicted tokens/s | predicted / measured |",
