@@ -2,6 +2,7 @@
 
     pipe = conveyor.Pipeline(model, balance=[3, 3], num_microbatches=8, loss_fn=loss_fn)
     loss = pipe.step(inputs, targets)            # every rank, the same batch
+    tokens = pipe.generate(prompts, max_new_tokens=32)   # KV cache per stage, groups in flight
     report = conveyor.plan(workload, num_ranks=2, memory_budget=2**30, batch_size=32)
 
 The flow (DESIGN.md): ``split`` a model into a ``StageGraph`` (conveyor.graph), ``schedule``
@@ -13,6 +14,7 @@ from conveyor.checkpoint import Checkpointer, CheckpointError
 from conveyor.config import CheckpointConfig, PipelineConfig
 from conveyor.data import ResumableLoader
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain
+from conveyor.inference import DecodePipeline, GenerationConfig
 from conveyor.pipeline import Pipeline
 from conveyor.planner import PlanReport, Workload, plan, profile_model
 from conveyor.program import Action, Program
@@ -31,7 +33,9 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
+    "DecodePipeline",
     "DeferredBatchNorm",
+    "GenerationConfig",
     "PeerLostError",
     "Pipeline",
     "PipelineConfig",

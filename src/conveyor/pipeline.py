@@ -20,6 +20,7 @@ from conveyor.config import PLAN_ENV, PipelineConfig, resolve
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
+from conveyor.inference.pipeline import DecodePipeline
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
@@ -152,6 +153,7 @@ class Pipeline:
             config.measure_memory,
         )
         self.step_index = 0
+        self._decoder: DecodePipeline | None = None
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
         if config.trace or config.trace_dir:
@@ -312,6 +314,30 @@ class Pipeline:
                 "(over a new process group if you passed group=...)"
             )
         self._p2p.check_open()
+
+    def generate(self, input_ids: Any, config: Any = None, **options: Any) -> torch.Tensor | None:
+        """Generate after each prompt with a KV cache on every stage, over this Pipeline's
+        split and ranks; arguments as conveyor.inference.DecodePipeline.generate's.
+
+            tokens = pipe.generate(input_ids, max_new_tokens=32)   # on every rank
+        """
+        return self.decoder.generate(input_ids, config, **options)
+
+    @property
+    def decoder(self) -> DecodePipeline:
+        """The generator over this Pipeline's stages, sharing their parameters (made on first
+        use, on every rank: it is collective)."""
+        if self._decoder is None:
+            self._decoder = DecodePipeline.from_split(
+                self._model,
+                self.graph,
+                self.stages,
+                group=self.group,
+                device=self.device,
+                timeout_s=self.config.timeout_s,
+                trace=self.recorder is not None,
+            )
+        return self._decoder
 
     # -- timelines -------------------------------------------------------------------------
 

@@ -6,11 +6,13 @@ import enum
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from conveyor.graph import StageGraph
 
 __all__ = [
     "Action",
+    "Feedback",
     "Kind",
     "Program",
     "add_communication",
@@ -96,12 +98,42 @@ class Action:
         return cls(int(stage), action_kind, int(microbatch), None if peer is None else int(peer))
 
 
+# Note [decode programs]:
+# Generation is a Program too. Its micro-batches are *items*: one pass of a group of sequences
+# through every stage, for a chunk of their prompts or for one new token. Two things set a
+# decode program apart from a forward-only one, and ``Feedback`` says both:
+# - the token the last stage samples from item k is the input of a later item of the same
+#   group at the first stage: a message against the pipeline's direction, written as an
+#   ordinary send and receive of item k (``1SF4>0``, ``0RF4<1``) and waited for by that later
+#   item's forward like any other input;
+# - every stage keeps one KV cache per group, which each of the group's items extends, so a
+#   stage must run a group's items in index order.
+# ``validate`` checks both, ``simulate`` and the runtimes wait for the feedback as for any
+# message, and a Timeline records it like any other action.
+@dataclass(frozen=True)
+class Feedback:
+    """How the items of a decode program depend on each other; See Note [decode programs]."""
+
+    sources: tuple[int | None, ...]
+    """Per micro-batch (item): the earlier item whose sampled token is its input at stage 0,
+    or None for an item that takes the model inputs (a chunk of the prompts)."""
+    groups: tuple[int, ...]
+    """Per micro-batch: its group of sequences; a stage runs a group's items in index order."""
+
+    @cached_property
+    def fed(self) -> frozenset[int]:
+        """Items whose sampled token some later item takes."""
+        return frozenset(s for s in self.sources if s is not None)
+
+
 @dataclass(frozen=True)
 class Program:
     """Each rank's ordered actions for one step. Indexing gives one rank's actions."""
 
     ranks: tuple[tuple[Action, ...], ...]
     num_microbatches: int
+    feedback: Feedback | None = None
+    """Decode programs only: tokens fed back from the last stage to the first."""
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         return self.ranks[rank]
@@ -118,7 +150,7 @@ class Program:
     def compute_only(self) -> Program:
         """The same program without its sends and receives."""
         ranks = tuple(tuple(a for a in actions if a.is_compute) for actions in self.ranks)
-        return Program(ranks, self.num_microbatches)
+        return Program(ranks, self.num_microbatches, self.feedback)
 
     @classmethod
     def parse(cls, text: str, num_microbatches: int | None = None) -> Program:
@@ -142,8 +174,11 @@ class Program:
         return cls(tuple(ranks), num_microbatches)
 
 
-def receives_needed(graph: StageGraph, action: Action) -> list[Action]:
-    """Receives a compute action waits for: inputs for F, output gradients for B and I."""
+def receives_needed(
+    graph: StageGraph, action: Action, feedback: Feedback | None = None
+) -> list[Action]:
+    """Receives a compute action waits for: inputs for F (with ``feedback``, stage 0's fed-back
+    token too), output gradients for B and I."""
     rank = graph.rank_of(action.stage)
     if action.kind is Kind.F:
         peers, kind = graph.producers(action.stage), Kind.RECV_F
@@ -151,13 +186,21 @@ def receives_needed(graph: StageGraph, action: Action) -> list[Action]:
         peers, kind = graph.consumers(action.stage), Kind.RECV_B
     else:
         return []
-    return [
+    needed = [
         Action(action.stage, kind, action.microbatch, p) for p in peers if graph.rank_of(p) != rank
     ]
+    if feedback is not None and action.kind is Kind.F and action.stage == 0:
+        source = feedback.sources[action.microbatch]
+        if source is not None and graph.rank_of(graph.sink) != rank:
+            needed.append(Action(0, Kind.RECV_F, source, graph.sink))
+    return needed
 
 
-def sends_after(graph: StageGraph, action: Action) -> list[Action]:
-    """Sends that follow a compute action: outputs after F, input gradients after B and I."""
+def sends_after(
+    graph: StageGraph, action: Action, feedback: Feedback | None = None
+) -> list[Action]:
+    """Sends that follow a compute action: outputs after F (with ``feedback``, the last
+    stage's sampled token to stage 0 too), input gradients after B and I."""
     rank = graph.rank_of(action.stage)
     if action.kind is Kind.F:
         peers, kind = graph.consumers(action.stage), Kind.SEND_F
@@ -165,9 +208,18 @@ def sends_after(graph: StageGraph, action: Action) -> list[Action]:
         peers, kind = graph.producers(action.stage), Kind.SEND_B
     else:
         return []
-    return [
+    sends = [
         Action(action.stage, kind, action.microbatch, p) for p in peers if graph.rank_of(p) != rank
     ]
+    if (
+        feedback is not None
+        and action.kind is Kind.F
+        and action.stage == graph.sink
+        and action.microbatch in feedback.fed
+        and graph.rank_of(0) != rank
+    ):
+        sends.append(Action(action.stage, Kind.SEND_F, action.microbatch, 0))
+    return sends
 
 
 def matching_recv(send: Action) -> Action:
@@ -189,7 +241,11 @@ def matching_recv(send: Action) -> Action:
 # inputs held early. With prefetch=1:
 #   rank 1:  1RF0<0 1RF1<0 | 1F0 1SF0>2 | 1RB0<2 | 1F1 ...
 def add_communication(
-    graph: StageGraph, compute: Sequence[Sequence[Action]], num_microbatches: int, prefetch: int = 3
+    graph: StageGraph,
+    compute: Sequence[Sequence[Action]],
+    num_microbatches: int,
+    prefetch: int = 3,
+    feedback: Feedback | None = None,
 ) -> Program:
     """Insert the sends and receives that a compute-only program needs.
 
@@ -199,14 +255,16 @@ def add_communication(
     sends_by_channel: dict[tuple[int, int], list[Action]] = {}
     for rank_actions in compute:
         for action in rank_actions:
-            for send in sends_after(graph, action):
+            for send in sends_after(graph, action, feedback):
                 assert send.peer is not None
                 channel = (graph.rank_of(send.stage), graph.rank_of(send.peer))
                 sends_by_channel.setdefault(channel, []).append(send)
     ranks = []
     for rank, rank_actions in enumerate(compute):
         position = {
-            need: i for i, a in enumerate(rank_actions) for need in receives_needed(graph, a)
+            need: i
+            for i, a in enumerate(rank_actions)
+            for need in receives_needed(graph, a, feedback)
         }
         forward_at = {
             (a.stage, a.microbatch): i for i, a in enumerate(rank_actions) if a.kind is Kind.F
@@ -235,8 +293,8 @@ def add_communication(
         for i, action in enumerate(rank_actions):
             actions += post_at.pop(i, [])
             actions.append(action)
-            actions += sends_after(graph, action)
+            actions += sends_after(graph, action, feedback)
         for rest in post_at.values():  # receives nobody consumes; validate reports them
             actions += rest
         ranks.append(tuple(actions))
-    return Program(tuple(ranks), num_microbatches)
+    return Program(tuple(ranks), num_microbatches, feedback)

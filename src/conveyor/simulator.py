@@ -216,7 +216,7 @@ class _Execution:
 
     def compute(self, rank: int, action: Action) -> bool:
         arrivals = []
-        for need in receives_needed(self.graph, action):
+        for need in receives_needed(self.graph, action, self.program.feedback):
             if need not in self.posted[rank]:
                 raise DeadlockError(
                     f"rank {rank}: {action} needs {need}, which is not posted before it"

@@ -3,6 +3,7 @@
 conveyor demo                                   # train a GPT on 2 local ranks
 conveyor run -n 2 train.py --lr 1e-3            # any script, under torchrun
 conveyor simulate --schedule 1f1b --stages 4 --microbatches 8
+conveyor generate --prompt "def " --max-new-tokens 64      # pipelined generation, 2 ranks
 conveyor run --trace runs/t -n 2 train.py; conveyor trace runs/t    # a measured timeline
 conveyor plan --model gpt --ranks 2 --memory 1GiB --batch-size 32 --out plan.json
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from conveyor.cli.flags import add_dataclass_flags, build_dataclass, read_toml
+from conveyor.cli.generate import add_decode_flags, add_generate_command, simulate_decode
 from conveyor.cli.launch import take_run_options, torchrun
 from conveyor.cli.tools import (
     add_simulate_flags,
@@ -93,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(command=_demo)
 
     add_tool_commands(commands)
+    add_generate_command(commands)
 
     simulate = commands.add_parser(
         "simulate",
@@ -126,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also print every rank's actions, sends and receives included",
     )
     add_simulate_flags(simulate)
+    add_decode_flags(simulate)
     simulate.set_defaults(command=_simulate)
     return parser
 
@@ -147,6 +151,8 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.decode:
+        return simulate_decode(args)
     if args.profile is not None:  # a profiled model: predicted time and memory
         return simulate_profile(args)
     placement = stage_placement(

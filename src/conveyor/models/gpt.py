@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -14,6 +15,7 @@ __all__ = [
     "Block",
     "Embedding",
     "Head",
+    "KeyValueCache",
     "char_corpus",
     "char_ids",
     "gpt",
@@ -33,9 +35,22 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.embed(ids, torch.arange(ids.shape[1], device=ids.device))
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens ``ids`` at ``positions`` (broadcast to ``ids``): generation with left padding
+        and a KV cache places tokens at positions other than 0, 1, 2, ..."""
         embedded: torch.Tensor = self.dropout(self.tokens(ids) + self.positions(positions))
         return embedded
+
+
+class KeyValueCache(Protocol):
+    """One block's keys and values of earlier positions (conveyor.inference.cache.StaticKV)."""
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``keys`` and ``values`` (batch, heads, new positions, head dim); return the
+        keys and values of every position so far."""
+        ...
 
 
 class Block(nn.Module):
@@ -57,12 +72,18 @@ class Block(nn.Module):
         seq = x.shape[1]
         return self.attend(x, torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1))
 
-    def attend(self, x: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self, x: torch.Tensor, blocked: torch.Tensor | None, cache: KeyValueCache | None = None
+    ) -> torch.Tensor:
         """The block on ``x``, no attention where ``blocked`` (broadcast to the scores) is
-        true."""
+        true. With a ``cache``, ``x`` holds the newest positions only: their keys and values
+        join the cache and they attend to every position in it (``blocked`` then has one
+        column per cached position)."""
         batch, seq, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.extend(k, v)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         if blocked is not None:
             scores = scores.masked_fill(blocked, float("-inf"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from conveyor.graph import StageGraph
-from conveyor.program import Action, Kind, Program, receives_needed
+from conveyor.program import Action, Feedback, Kind, Program, receives_needed
 from conveyor.simulator import DeadlockError, execute
 
 __all__ = ["ProgramError", "validate"]
@@ -23,8 +23,9 @@ def validate(program: Program, graph: StageGraph) -> None:
 
     A training program does, for each stage and micro-batch, one F and then either one B or
     one I followed by one W; a program with no backward actions is a forward-only (inference)
-    program. Every compute has the messages it needs posted before it, every send has its
-    receive in the same per-channel order, and execution cannot deadlock.
+    program, and one with ``feedback`` a decode program (See Note [decode programs]). Every
+    compute has the messages it needs posted before it, every send has its receive in the same
+    per-channel order, and execution cannot deadlock.
     """
     problems = _structure(program, graph)
     if not problems:
@@ -49,20 +50,56 @@ def _structure(program: Program, graph: StageGraph) -> list[str]:
             f"program has {len(program)} ranks but the stage graph places stages on "
             f"{graph.num_ranks}"
         ]
+    feedback = program.feedback
+    if feedback is not None:
+        problems += _feedback_problems(feedback, graph, program.num_microbatches)
+        if problems:
+            return problems
     counts: Counter[tuple[int, Kind, int]] = Counter()
     for rank, actions in enumerate(program):
-        problems += _rank_order(rank, actions, graph, program.num_microbatches)
+        problems += _rank_order(rank, actions, graph, program.num_microbatches, feedback)
         counts.update((a.stage, a.kind, a.microbatch) for a in actions if a.is_compute)
     problems += _completeness(counts, graph, program.num_microbatches)
     return problems
 
 
+def _feedback_problems(feedback: Feedback, graph: StageGraph, num_microbatches: int) -> list[str]:
+    """A decode program's items: one source and group each, fed by an earlier item of their
+    group, each item feeding at most one other, on a chain of stages."""
+    if len(feedback.sources) != num_microbatches or len(feedback.groups) != num_microbatches:
+        return [
+            f"feedback lists {len(feedback.sources)} sources and {len(feedback.groups)} groups "
+            f"for {num_microbatches} micro-batches; give one of each per micro-batch"
+        ]
+    problems = []
+    if any(graph.producers(s) != [s - 1] for s in range(1, graph.num_stages)):
+        problems.append("a decode program (with feedback) needs a chain of stages")
+    seen: set[int] = set()
+    for k, source in enumerate(feedback.sources):
+        if source is None:
+            continue
+        if not 0 <= source < k or feedback.groups[source] != feedback.groups[k]:
+            problems.append(
+                f"micro-batch {k} (group {feedback.groups[k]}) is fed by {source}; expected "
+                "an earlier micro-batch of the same group"
+            )
+        elif source in seen:
+            problems.append(f"micro-batch {source} feeds more than one micro-batch")
+        seen.add(source)
+    return problems
+
+
 def _rank_order(
-    rank: int, actions: tuple[Action, ...], graph: StageGraph, num_microbatches: int
+    rank: int,
+    actions: tuple[Action, ...],
+    graph: StageGraph,
+    num_microbatches: int,
+    feedback: Feedback | None = None,
 ) -> list[str]:
     """Per-rank rules: placement, ranges, and each action after what it depends on."""
     problems: list[str] = []
     done: set[Action] = set()
+    last_of_group: dict[tuple[int, int], int] = {}  # (stage, group) -> latest item run
     for action in actions:
         where = f"rank {rank}: {action}"
         if not 0 <= action.stage < graph.num_stages or graph.rank_of(action.stage) != rank:
@@ -78,14 +115,25 @@ def _rank_order(
             continue
         if action in done:
             problems.append(f"{where}: appears twice")
-        for before in _prerequisites(action, graph):
+        for before in _prerequisites(action, graph, feedback):
             if before not in done and not _done_as_split(before, done):
                 problems.append(f"{where}: comes before {before}, which it depends on")
+        if feedback is not None and action.kind is Kind.F:
+            key = (action.stage, feedback.groups[action.microbatch])
+            if last_of_group.get(key, -1) > action.microbatch:
+                problems.append(
+                    f"{where}: runs after {action.stage}F{last_of_group[key]} of the same "
+                    f"group {key[1]}; a stage runs a group's items in index order (they extend "
+                    "its KV cache)"
+                )
+            last_of_group[key] = action.microbatch
         done.add(action)
     return problems
 
 
-def _prerequisites(action: Action, graph: StageGraph) -> list[Action]:
+def _prerequisites(
+    action: Action, graph: StageGraph, feedback: Feedback | None = None
+) -> list[Action]:
     """Actions on the same rank that must come earlier."""
     stage, k = action.stage, action.microbatch
     rank = graph.rank_of(stage)
@@ -95,9 +143,12 @@ def _prerequisites(action: Action, graph: StageGraph) -> list[Action]:
         return [Action(stage, producing, k)]
     if action.kind.is_recv:
         return []
-    needs: list[Action] = list(receives_needed(graph, action))
+    needs: list[Action] = list(receives_needed(graph, action, feedback))
     if action.kind is Kind.F:
         needs += [Action(p, Kind.F, k) for p in graph.producers(stage) if p in local]
+        source = None if feedback is None or stage != 0 else feedback.sources[k]
+        if source is not None and graph.sink in local:  # the fed-back token, sampled here
+            needs.append(Action(graph.sink, Kind.F, source))
     elif action.kind in (Kind.B, Kind.I):
         needs.append(Action(stage, Kind.F, k))
         needs += [Action(c, Kind.B, k) for c in graph.consumers(stage) if c in local]

@@ -1,0 +1,271 @@
+"""`conveyor generate` (the demo GPT or a Hugging Face causal LM saved on disk, pipelined over
+local ranks) and `conveyor simulate --decode` (a decode Program as a rank x time grid).
+
+    conveyor generate --prompt "def " --max-new-tokens 64            # the demo GPT, 2 ranks
+    conveyor generate --model path/to/saved_model --prompt-ids 1,2,3 --do-sample --seed 1
+    conveyor simulate --decode --stages 2 --groups 2 --new-tokens 4
+Each rank runs ``python -m conveyor.cli.generate`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.cli.flags import add_dataclass_flags, build_dataclass, read_toml
+from conveyor.cli.launch import torchrun
+from conveyor.graph import chain
+from conveyor.inference import DecodePipeline, GenerationConfig, decode_items, decode_program
+from conveyor.simulator import simulate
+from conveyor.trace import render_grid
+
+__all__ = [
+    "GenerateJob",
+    "add_decode_flags",
+    "add_generate_command",
+    "load_model",
+    "run",
+    "simulate_decode",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateJob:
+    """What `conveyor generate` runs: which model, on how many ranks, after which prompts."""
+
+    ranks: int = 2
+    """Processes (pipeline ranks) to start."""
+    model: str = "gpt"
+    """'gpt' (conveyor's demo GPT) or the directory of a Hugging Face causal LM saved with
+    save_pretrained (read from disk, never downloaded)."""
+    checkpoint: str | None = None
+    """With --model gpt: a conveyor checkpoint (step-N directory) to load the weights from;
+    without one the weights are random (seeded by init_seed)."""
+    prompt: tuple[str, ...] = ("def ",)
+    """Prompt texts, one sequence each (the demo GPT reads characters; a Hugging Face model
+    its tokenizer, if saved with it)."""
+    prompt_ids: tuple[str, ...] = ()
+    """Prompts as comma-separated token ids ('1,2,3'), instead of texts."""
+    batch_size: int | None = None
+    """Sequences to generate: the prompts repeated in turn (default: one per prompt)."""
+    balance: tuple[int, ...] | None = None
+    """Units per stage (embedding, blocks, head); default: the blocks evenly."""
+    dim: int = 64
+    """With --model gpt: model width."""
+    num_layers: int = 4
+    """With --model gpt: transformer blocks."""
+    num_heads: int = 4
+    """With --model gpt: attention heads."""
+    seq_len: int = 256
+    """With --model gpt: context (positions)."""
+    init_seed: int = 0
+    """With --model gpt and no checkpoint: seed of the random weights."""
+    trace: str | None = None
+    """Record the generation's timeline to DIR (timeline.png, trace.json)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "batch_size", "dim", "num_layers", "num_heads", "seq_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.model != "gpt" and not Path(self.model).is_dir():
+            raise ValueError(
+                f"--model {self.model!r} is neither 'gpt' nor a directory; pass the directory "
+                "a Hugging Face model was saved to (model.save_pretrained(DIR))"
+            )
+
+
+def add_generate_command(commands: Any) -> None:
+    """Add the ``generate`` subcommand to the ``conveyor`` parser."""
+    parser = commands.add_parser(
+        "generate",
+        help="generate tokens with a model pipelined over local ranks (KV cache per stage)",
+        description="Generate after the prompts with the demo GPT or a saved Hugging Face "
+        "causal LM, split over --ranks local processes, each keeping the KV caches of its own "
+        "stages, with groups of sequences in flight. Prints the text, the time to first token "
+        "and the decode throughput.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML file with job and generation fields")
+    add_dataclass_flags(parser, GenerateJob)
+    add_dataclass_flags(parser, GenerationConfig, skip=("dst",))
+    parser.set_defaults(command=_generate)
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    values = read_toml(args.config) if args.config else {}
+    job = build_dataclass(GenerateJob, args, values)
+    config = build_dataclass(GenerationConfig, args, values)
+    payload = {"job": dataclasses.asdict(job), "config": dataclasses.asdict(config)}
+    return torchrun(
+        ["--nproc-per-node", str(job.ranks), "-m", "conveyor.cli.generate", json.dumps(payload)]
+    )
+
+
+def add_decode_flags(simulate_parser: argparse.ArgumentParser) -> None:
+    """Flags of ``conveyor simulate --decode``."""
+    simulate_parser.add_argument(
+        "--decode", action="store_true", help="simulate a decode Program instead of training"
+    )
+    simulate_parser.add_argument(
+        "--groups", type=int, default=2, help="with --decode: groups of sequences in flight"
+    )
+    simulate_parser.add_argument(
+        "--new-tokens", type=int, default=4, help="with --decode: tokens to generate"
+    )
+    simulate_parser.add_argument(
+        "--prompt-chunks",
+        type=int,
+        default=1,
+        help="with --decode: prefill chunks per prompt (each costs one unit, like a token)",
+    )
+
+
+def simulate_decode(args: argparse.Namespace) -> int:
+    """``conveyor simulate --decode``: the decode Program's grid and its busy share."""
+    graph = chain(args.stages)
+    items = decode_items(args.groups, args.prompt_chunks, args.new_tokens, 1)
+    program = decode_program(graph, items)
+    timeline = simulate(program, graph)
+    timeline.meta["schedule"] = "decode"
+    print(render_grid(timeline))
+    print(
+        f"decode: ranks={args.stages} groups={args.groups} new_tokens={args.new_tokens} "
+        f"prompt_chunks={args.prompt_chunks} items={len(items)} (item k: group k mod "
+        f"{args.groups}) span={timeline.step_time:g} units (every item F=1 per stage) "
+        f"busy={1 - timeline.bubble_fraction:.1%}"
+    )
+    if args.actions:
+        print("\n".join(f"rank {r}: {' '.join(map(str, a))}" for r, a in enumerate(program)))
+    return 0
+
+
+# -- the worker (one per rank, under torchrun) ---------------------------------------------
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""Files a tokenizer saved beside a model leaves (save_pretrained)."""
+
+
+def load_model(job: GenerateJob) -> tuple[nn.Module, Any]:
+    """(model, tokenizer or None), built the same way on every rank."""
+    if job.model != "gpt":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model: Any = AutoModelForCausalLM.from_pretrained(job.model, local_files_only=True)
+        tokenizer = None  # saved without one: ids in, ids out
+        if any((Path(job.model) / name).is_file() for name in _TOKENIZER_FILES):
+            tokenizer = AutoTokenizer.from_pretrained(job.model, local_files_only=True)
+        return model, tokenizer
+    from conveyor.checkpoint import load_model as load_checkpoint
+    from conveyor.models import gpt
+
+    torch.manual_seed(job.init_seed)
+    model = gpt(
+        seq_len=job.seq_len, dim=job.dim, num_layers=job.num_layers, num_heads=job.num_heads
+    )
+    if job.checkpoint:
+        load_checkpoint(job.checkpoint, model)
+    return model, None
+
+
+def _prompts(job: GenerateJob, tokenizer: Any) -> list[torch.Tensor]:
+    if job.prompt_ids:
+        prompts = [torch.tensor([int(t) for t in text.split(",")]) for text in job.prompt_ids]
+    elif job.model == "gpt":
+        prompts = [torch.tensor([min(max(ord(c) - 32, 0), 95) for c in t]) for t in job.prompt]
+    elif tokenizer is None:
+        raise ValueError(f"{job.model} has no tokenizer saved with it; pass --prompt-ids")
+    else:
+        prompts = [torch.tensor(tokenizer(t)["input_ids"]) for t in job.prompt]
+    count = job.batch_size or len(prompts)
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def _text(job: GenerateJob, tokenizer: Any, ids: torch.Tensor) -> str:
+    if job.model == "gpt" and not job.prompt_ids:
+        return "".join(chr(32 + int(i)) for i in ids)
+    if tokenizer is not None:
+        return str(tokenizer.decode(ids.tolist()))
+    return ",".join(str(int(i)) for i in ids)
+
+
+def run(job: GenerateJob, config: GenerationConfig) -> torch.Tensor | None:
+    """Generate on this rank (torch.distributed initialized): rank 0 logs the texts, the
+    rank of the last stage the timings."""
+    model, tokenizer = load_model(job)
+    prompts = _prompts(job, tokenizer)
+    decoder = DecodePipeline(model, balance=job.balance, trace=job.trace is not None)
+    tokens = decoder.generate(prompts, config)
+    assert tokens is not None and decoder.stats is not None
+    width = max(p.numel() for p in prompts)
+    if decoder.rank == 0:
+        for row, prompt in enumerate(prompts):
+            logger.info(
+                "%r -> %r",
+                _text(job, tokenizer, prompt),
+                _text(job, tokenizer, tokens[row, width:]),
+            )
+    stats = decoder.stats
+    if stats.time_to_first_token is not None:
+        throughput = stats.decode_tokens_per_s
+        logger.info(
+            "%d sequences x %d new tokens on %d ranks (%d groups in flight) in %.3f s: time to "
+            "first token %.1f ms, decode %s tokens/s",
+            stats.num_sequences,
+            stats.new_tokens,
+            decoder.num_ranks,
+            decoder.num_groups(len(prompts), config),
+            stats.seconds,
+            stats.time_to_first_token * 1e3,
+            "-" if throughput is None else f"{throughput:.1f}",
+        )
+    if job.trace is not None:
+        _write_trace(decoder, job.trace)
+    return tokens
+
+
+def _from_json(cls: type, values: dict[str, Any]) -> Any:
+    """A dataclass from its asdict() as JSON (lists back to tuples)."""
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def _write_trace(decoder: DecodePipeline, directory: str) -> None:
+    from conveyor.trace import write_chrome, write_png
+
+    timeline = decoder.timeline()
+    if decoder.rank == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        png = write_png(Path(directory) / "timeline.png", timeline)
+        chrome = write_chrome(Path(directory) / "trace.json", timeline)
+        logger.info("%s\nwrote %s and %s", timeline.summary_text(), png, chrome)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point: ``python -m conveyor.cli.generate JSON`` (job and config)."""
+    parser = argparse.ArgumentParser(prog="python -m conveyor.cli.generate")
+    parser.add_argument("payload", help="{'job': GenerateJob fields, 'config': GenerationConfig}")
+    payload = json.loads(parser.parse_args(argv).payload)
+    job = _from_json(GenerateJob, payload["job"])
+    config = _from_json(GenerationConfig, payload["config"])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # an entry point, like cli
+    dist.init_process_group("gloo")
+    try:
+        run(job, config)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

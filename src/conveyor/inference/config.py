@@ -1,0 +1,81 @@
+"""GenerationConfig: what a generation computes and how it is split, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["GenerationConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """Settings of ``generate``: decoding (greedy or sampled), stops, groups, chunks, budget.
+
+    Sampling draws each sequence's tokens from its own generator, seeded by ``seed`` and the
+    sequence's row in the batch, so the tokens depend on neither the split, nor the groups,
+    nor the rank that samples them.
+    """
+
+    max_new_tokens: int = 32
+    """Tokens to generate per sequence (fewer if every sequence stops first)."""
+    do_sample: bool = False
+    """Sample from the (filtered) distribution; otherwise pick the most likely token (greedy)."""
+    temperature: float = 1.0
+    """Divide the logits by this before sampling."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens only (Hugging Face's generate defaults to 50;
+    pass top_k=50 to match it)."""
+    top_p: float | None = None
+    """Sample among the most likely tokens whose probabilities sum to top_p (nucleus)."""
+    seed: int = 0
+    """Seed of every sequence's sampling generator."""
+    eos_token_id: tuple[int, ...] = ()
+    """Stop tokens: a sequence that samples one is finished and gets pad_token_id after it;
+    generation ends when every sequence is finished."""
+    pad_token_id: int = 0
+    """Token after a finished sequence's stop token, and left padding of ragged prompts."""
+    num_groups: int | None = None
+    """Groups of sequences decoded in flight, each on another rank at a time (the decode
+    analogue of micro-batches); default: one per rank, at most one per sequence. 1 is the
+    naive pipeline, where p - 1 of p ranks idle at every token."""
+    prefill_chunk: int | None = None
+    """Prompt tokens per prefill item: a long prompt then flows through the stages in chunks,
+    overlapping other groups' work; default: the whole prompt in one item."""
+    cache: Literal["static", "dynamic"] | None = None
+    """KV cache kind: 'static' (preallocated for prompt + new tokens) or 'dynamic' (Hugging Face
+    DynamicCache, grows); default: the model's (static for conveyor's GPT, dynamic for Hugging
+    Face models, as their generate does)."""
+    memory_budget: int | None = None
+    """Bytes each rank may spend on KV caches; a generation that needs more fails before it
+    starts, saying how much it needs."""
+    dst: int | None = None
+    """Rank (in the pipeline's group) that gets the tokens; default: every rank."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "num_groups", "prefill_chunk", "top_k", "memory_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy"
+            )
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.cache not in (None, "static", "dynamic"):
+            raise ValueError(f"cache must be 'static' or 'dynamic', got {self.cache!r}")
+        if self.dst is not None and self.dst < 0:
+            raise ValueError(f"dst must be a rank >= 0, got {self.dst}")
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        """This config with ``changes`` (field names) applied and validated."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown generation settings {unknown}; expected GenerationConfig fields "
+                f"{sorted(names)}"
+            )
+        return dataclasses.replace(self, **changes)

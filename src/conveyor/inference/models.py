@@ -1,0 +1,34 @@
+"""Which CausalLM adapter a model gets: conveyor's GPT, a Hugging Face causal LM, or its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from conveyor.inference.gpt import GptLM, is_gpt
+from conveyor.inference.hf import hf_causal_lm, is_hf_model
+from conveyor.inference.lm import CausalLM
+
+__all__ = ["as_causal_lm"]
+
+
+def as_causal_lm(model: Any) -> CausalLM:
+    """``model`` as a CausalLM: a CausalLM itself, conveyor's GPT (``conveyor.models.gpt``'s
+    Sequential), or a Hugging Face causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
+
+    Raises:
+        TypeError: ``model`` is none of these, or has no causal LM head.
+    """
+    if isinstance(model, CausalLM):
+        return model
+    if isinstance(model, nn.Sequential) and is_gpt(list(model)):
+        return GptLM(list(model))
+    if isinstance(model, nn.Module) and is_hf_model(model):
+        return hf_causal_lm(model)
+    raise TypeError(
+        f"cannot generate with a {type(model).__name__}: it has no causal LM head conveyor "
+        "knows; expected conveyor.models.gpt (an nn.Sequential of Embedding, Blocks, Head), a "
+        "Hugging Face causal LM (LlamaForCausalLM, GPT2LMHeadModel) or a "
+        "conveyor.inference.lm.CausalLM"
+    )

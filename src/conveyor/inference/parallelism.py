@@ -1,0 +1,214 @@
+"""Pipeline vs tensor vs context parallelism for long-sequence inference, on paper: one long
+request on P devices, from per-layer costs (measured and fitted, conveyor.inference.cost) and
+a link model, each strategy run through the simulator as a decode Program.
+
+    costs = LayerCosts(embed=..., block=..., head=..., hidden_size=1024, ...)
+    rows = compare(costs, num_layers=32, link=link, devices=[2, 8, 64], prompts=[1024, 2**20])
+
+- **pipeline** (PP): the layers in P stages, one per device; the prompt in 4P chunks that
+  flow through the stages; a new token passes every stage in turn (one request: P - 1 devices
+  idle at each token).
+- **tensor** (TP, Megatron-style): every layer's heads and MLP split over the P devices, two
+  all-reduces of the layer's activations per layer (ring: 2(P - 1) steps); at most one
+  device per head.
+- **context** (CP): the sequence split over the P devices. Prefill as ring attention: each
+  device runs its P-th of the tokens through every layer and passes key-value blocks around
+  the ring (P - 1 transfers per layer, overlapped with the attention); decode with the KV
+  cache sharded along the sequence: every device runs the new token's projections and MLP
+  (weights replicated), attends over its shard, and the partial results are combined by an
+  all-reduce of one hidden vector per layer.
+
+Compute that a strategy splits is divided by P with its fixed per-call cost kept whole; KV
+caches take 2 x layers x positions x hidden values in all three, divided by P (TP while
+P <= heads). Weights: PP and TP hold 1/P of them, CP all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from conveyor.graph import chain
+from conveyor.inference.cost import DecodeCost, Fit, StageFit
+from conveyor.inference.schedule import Item, decode_items, decode_program
+from conveyor.planner.profile import Link
+from conveyor.program import Action, Kind
+from conveyor.simulator import simulate
+
+__all__ = ["STRATEGIES", "Estimate", "LayerCosts", "Strategy", "compare", "estimate"]
+
+Strategy = Literal["pipeline", "tensor", "context"]
+STRATEGIES: tuple[Strategy, ...] = ("pipeline", "tensor", "context")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One request's per-unit costs (fits at one row) and the model's sizes."""
+
+    embed: StageFit
+    block: StageFit
+    head: StageFit
+    """The final norm, LM head and sampling (last position only)."""
+    hidden_size: int
+    num_heads: int
+    dtype_bytes: int
+    block_params: int
+    head_params: int
+    """Parameters of the LM head and the embedding together."""
+
+    @property
+    def hidden_bytes(self) -> int:
+        return self.hidden_size * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy on ``devices`` devices for a prompt of ``prompt`` tokens."""
+
+    strategy: Strategy
+    devices: int
+    prompt: int
+    time_to_first_token: float
+    """Seconds from the prompt to the first new token."""
+    decode_tokens_per_s: float
+    """New tokens per second after the first."""
+    kv_bytes_per_device: float
+    weight_bytes_per_device: float
+
+
+def estimate(
+    strategy: Strategy,
+    costs: LayerCosts,
+    num_layers: int,
+    link: Link,
+    devices: int,
+    prompt: int,
+    new_tokens: int = 16,
+) -> Estimate | None:
+    """``strategy``'s estimate, or None where it does not apply (TP beyond one device per
+    head, PP beyond one device per layer)."""
+    if (strategy == "tensor" and devices > costs.num_heads) or (
+        strategy == "pipeline" and devices > num_layers
+    ):
+        return None
+    first = _simulated(strategy, costs, num_layers, link, devices, prompt, 1)
+    total = _simulated(strategy, costs, num_layers, link, devices, prompt, new_tokens)
+    kv = 2 * num_layers * (prompt + new_tokens) * costs.hidden_bytes / devices
+    weights = num_layers * costs.block_params + costs.head_params
+    return Estimate(
+        strategy,
+        devices,
+        prompt,
+        first,
+        (new_tokens - 1) / (total - first),
+        kv,
+        weights * costs.dtype_bytes / (1 if strategy == "context" else devices),
+    )
+
+
+def compare(
+    costs: LayerCosts,
+    num_layers: int,
+    link: Link,
+    devices: Sequence[int],
+    prompts: Sequence[int],
+    new_tokens: int = 16,
+) -> list[Estimate]:
+    """Every strategy that applies, for every device count and prompt length."""
+    found = []
+    for prompt in prompts:
+        for count in devices:
+            for strategy in STRATEGIES:
+                result = estimate(strategy, costs, num_layers, link, count, prompt, new_tokens)
+                if result is not None:
+                    found.append(result)
+    return found
+
+
+def _simulated(
+    strategy: Strategy,
+    costs: LayerCosts,
+    num_layers: int,
+    link: Link,
+    devices: int,
+    prompt: int,
+    new_tokens: int,
+) -> float:
+    """Seconds for ``strategy`` to prefill ``prompt`` tokens and generate ``new_tokens``."""
+    if strategy == "pipeline":
+        graph = chain(devices)
+        items = decode_items(1, prompt, new_tokens, math.ceil(prompt / (4 * devices)))
+        layers = [len(range(s, num_layers, devices)) for s in range(devices)]
+        fits = [costs.block * n for n in layers]
+        fits[0] = fits[0] + costs.embed
+        fits[-1] = fits[-1] + costs.head
+        cost = DecodeCost(fits, graph, items, [range(1)], costs.hidden_bytes, link=link)
+        return simulate(decode_program(graph, items), graph, cost).step_time
+    graph = chain(1)
+    items = decode_items(1, prompt, new_tokens)
+    split = _TensorCost if strategy == "tensor" else _ContextCost
+    return simulate(
+        decode_program(graph, items), graph, split(costs, num_layers, link, devices, items)
+    ).step_time
+
+
+def _divided(fit: Fit, devices: int) -> Fit:
+    """A fit whose token and pair work is split over ``devices``; the fixed cost is not."""
+    return Fit(fit.fixed, fit.per_token / devices, fit.per_pair / devices)
+
+
+def _all_reduce(link: Link, num_bytes: float, devices: int) -> float:
+    """A ring all-reduce: 2(P - 1) steps, each a latency and 1/P of the bytes."""
+    steps = 2 * (devices - 1)
+    return steps * (link.latency + num_bytes / devices / link.bandwidth)
+
+
+class _TensorCost:
+    """Each item on P devices with every layer split (see the module docstring)."""
+
+    def __init__(
+        self, costs: LayerCosts, num_layers: int, link: Link, devices: int, items: Sequence[Item]
+    ) -> None:
+        self.costs, self.num_layers, self.link = costs, num_layers, link
+        self.devices, self.items = devices, items
+
+    def compute(self, action: Action) -> float:
+        item = self.items[action.microbatch]
+        length, start, p = item.length, item.start, self.devices
+        fit = _fit(self.costs.block, length)
+        layer = _divided(fit, p).time(1, length, start)
+        reduce = _all_reduce(self.link, length * self.costs.hidden_bytes, p)
+        head = _divided(_fit(self.costs.head, length), p).time(1, length, start)
+        embed = _fit(self.costs.embed, length).time(1, length, start)
+        return embed + self.num_layers * (layer + 2 * reduce) + head + reduce
+
+    def transfer(self, action: Action) -> float:
+        return 0.0
+
+
+class _ContextCost(_TensorCost):
+    """Each item with the sequence split over P devices (see the module docstring)."""
+
+    def compute(self, action: Action) -> float:
+        assert action.kind is Kind.F
+        item = self.items[action.microbatch]
+        length, start, p = item.length, item.start, self.devices
+        fit = _fit(self.costs.block, length)
+        if length > 1:  # prefill: a P-th of the tokens and of the pairs, ring passes overlap
+            compute = Fit(fit.fixed, fit.per_token / p, fit.per_pair / p).time(1, length, start)
+            kv_block = 2 * math.ceil(length / p) * self.costs.hidden_bytes
+            ring = (p - 1) * self.link.transfer(kv_block)
+            layer = max(compute, ring + fit.fixed)
+            head = _fit(self.costs.head, length).time(1, length, start)
+        else:  # decode: the token everywhere, its attention over a P-th of the cache each
+            local = Fit(fit.fixed, fit.per_token, fit.per_pair / p).time(1, length, start)
+            layer = local + _all_reduce(self.link, self.costs.hidden_bytes, p)
+            head = _fit(self.costs.head, length).time(1, length, start)
+        embed = _fit(self.costs.embed, length).time(1, length, start)
+        return embed + self.num_layers * layer + head
+
+
+def _fit(stage: StageFit, length: int) -> Fit:
+    return stage.decode if length == 1 else stage.prefill

@@ -1,0 +1,441 @@
+"""DecodePipeline: a causal LM cut into stages over ranks, generating with a KV cache per stage.
+
+    decoder = DecodePipeline(model, balance=[3, 3])           # on every rank, like Pipeline
+    tokens = decoder.generate(input_ids, max_new_tokens=32)    # (batch, prompt + new), every rank
+    tokens = generate(model, input_ids, max_new_tokens=32)     # the unsplit model, one process
+
+Each rank keeps the KV caches of its own stages; the batch is split into groups of sequences
+that are in flight at once (the decode analogue of micro-batches), and the run is a decode
+Program (conveyor.inference.schedule), validated, simulated and traced like training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conveyor.graph import StageGraph, chain
+from conveyor.inference.cache import format_bytes
+from conveyor.inference.config import GenerationConfig
+from conveyor.inference.gpt import GptLM, is_gpt
+from conveyor.inference.lm import CausalLM
+from conveyor.inference.models import as_causal_lm
+from conveyor.inference.prompts import generated_length, groups_of, positions_of, prepare_prompts
+from conveyor.inference.runtime import Batch, DecodeRuntime
+from conveyor.inference.schedule import decode_items, decode_program
+from conveyor.program import Program
+from conveyor.runtime.comm import P2P
+from conveyor.split import even_balance
+from conveyor.trace import Recorder, Timeline, merge
+
+__all__ = ["DecodePipeline", "GenerationStats", "generate"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """How long one generate call took on this rank."""
+
+    seconds: float
+    """From the call until the tokens were shared."""
+    time_to_first_token: float | None
+    """From the call until every sequence had its first new token; known on the rank that
+    holds the last stage (None elsewhere)."""
+    num_sequences: int
+    new_tokens: int
+    """New tokens per sequence (fewer than max_new_tokens if every sequence stopped)."""
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """New tokens after the first, per second of decoding, over the batch."""
+        if self.time_to_first_token is None or self.new_tokens < 2:
+            return None
+        decoding = self.seconds - self.time_to_first_token
+        return self.num_sequences * (self.new_tokens - 1) / decoding if decoding > 0 else None
+
+
+class DecodePipeline:
+    """A causal LM split into stages, one rank's part of which runs here; generates tokens.
+
+    Every rank constructs it with the same model and calls ``generate`` with the same
+    prompts (as ``Pipeline.step`` takes the same batch): every rank knows every item's shape,
+    so stages exchange hidden states and sampled tokens without a round of headers.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        balance: Sequence[int] | None = None,
+        placement: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float = 60.0,
+        trace: bool = False,
+        local: bool = False,
+    ) -> None:
+        """
+        Args:
+            model: conveyor's GPT, a Hugging Face causal LM, or a CausalLM.
+            balance: units per stage (embedding, blocks, head: ``num_blocks + 2`` units);
+                default: the blocks evenly, the embedding with the first stage and the head
+                with the last, one stage per rank (or per ``placement`` entry).
+            placement: rank of each stage; default: stage i on rank i.
+            group: the pipeline's process group (default: the world).
+            device: where this rank's stages run (default: where their parameters are).
+            local: run every stage in this process, without torch.distributed.
+        """
+        self.lm = as_causal_lm(model)
+        self.group = group
+        self.rank, self.num_ranks = (0, 1) if local else _group_size(group)
+        num_stages = len(balance or placement or range(self.num_ranks))
+        self.balance = tuple(balance or default_balance(self.lm.num_units, num_stages))
+        self.units = _stage_units(self.lm, self.balance)
+        placement = tuple(placement or range(num_stages))
+        if len(placement) != num_stages:
+            raise ValueError(
+                f"placement {list(placement)} has {len(placement)} ranks for "
+                f"{num_stages} stages; give one rank per stage"
+            )
+        self.graph = chain(num_stages, placement=placement)
+        if self.graph.num_ranks != self.num_ranks:
+            raise ValueError(
+                f"the split places {num_stages} stages on {self.graph.num_ranks} ranks but the "
+                f"process group has {self.num_ranks}; launch with `conveyor run -n "
+                f"{self.graph.num_ranks}` or change balance/placement"
+            )
+        self._check_materialized()
+        self.device = torch.device(device) if device is not None else self._model_device()
+        for module in self._local_modules():
+            module.to(self.device)
+        p2p = (
+            None
+            if local or self.num_ranks == 1
+            else P2P(group, self.device, timedelta(seconds=timeout_s))
+        )
+        self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
+        self._programs: dict[tuple[int, int, int, int | None], Program] = {}
+        self.num_generations = 0
+        self.stats: GenerationStats | None = None
+        """Timings of the last generate call."""
+        self.recorder: Recorder | None = None
+        """This rank's recorder when tracing: one recorded step per generate call."""
+        if trace:
+            self.recorder = self._runtime.recorder = Recorder(self.rank)
+            if p2p is not None:
+                p2p.recorder = self.recorder
+
+    @classmethod
+    def from_split(
+        cls,
+        model: Any,
+        graph: StageGraph,
+        stages: Mapping[int, nn.Module],
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        timeout_s: float = 60.0,
+        trace: bool = False,
+    ) -> DecodePipeline:
+        """The generator of a ``Pipeline``'s split of conveyor's GPT: its stages (``graph``),
+        placement and this rank's materialized ``stages``, sharing their parameters.
+
+        Raises:
+            TypeError: the model is not conveyor's GPT, or its stages are not layer ranges.
+        """
+        if not isinstance(model, nn.Sequential) or not is_gpt(list(model)):
+            raise TypeError(
+                f"Pipeline.generate runs conveyor's GPT (conveyor.models.gpt), got a "
+                f"{type(model).__name__}; for a Hugging Face causal LM use "
+                "conveyor.inference.DecodePipeline(model, balance=...)"
+            )
+        layers: list[nn.Module] = list(model)
+        balance = []
+        for stage in graph.stages:
+            assert stage.module is not None
+            names = [name for name, _ in stage.module.named_children()]
+            units = [int(n) for n in names if n.isdigit()]
+            if not units or units != list(range(units[0], units[0] + len(units))):
+                raise TypeError(
+                    f"stage {stage.index} holds layers {names}; Pipeline.generate needs a chain "
+                    "split of the GPT into ranges of layers (balance or split_points)"
+                )
+            if stage.index in stages:
+                layers[units[0] : units[-1] + 1] = [
+                    stages[stage.index].get_submodule(n) for n in names
+                ]
+            balance.append(len(units))
+        return cls(
+            GptLM(layers),
+            balance=balance,
+            placement=[s.rank for s in graph.stages],
+            group=group,
+            device=device,
+            timeout_s=timeout_s,
+            trace=trace,
+        )
+
+    # -- generating ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[torch.Tensor],
+        config: GenerationConfig | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        **options: Any,
+    ) -> torch.Tensor | None:
+        """Generate after each prompt; returns (batch, prompt length + new tokens) ids (the
+        left-padded prompts, then the new tokens) on every rank, or on ``dst`` only.
+
+        ``options`` are GenerationConfig fields (``max_new_tokens``, ``do_sample``, ...),
+        overriding ``config``. Bad input fails on every rank before any message is sent.
+
+        Raises:
+            ValueError: a prompt longer than the model's context, caches over the memory
+                budget, or malformed prompts or settings.
+        """
+        start = time.perf_counter()
+        config = (config or GenerationConfig()).replace(**options)
+        ids, mask = prepare_prompts(input_ids, attention_mask, config.pad_token_id)
+        self._check(ids, config)
+        batch = self._batch(ids, mask, config)
+        program = self.program(len(batch.groups), ids.shape[1], config)
+        if self.recorder is not None:
+            self.recorder.begin_step(self.num_generations)
+        with _eval_mode(self._local_modules()):
+            tokens = self._runtime.run(program[self.rank], batch)
+        if self.recorder is not None:
+            self.recorder.end_step()
+        self.num_generations += 1
+        new = self._share(tokens, batch, config.dst)
+        length = config.max_new_tokens
+        if new is not None:
+            length = generated_length(new, config.eos_token_id)
+        first = self._runtime.first_token
+        self.stats = GenerationStats(
+            time.perf_counter() - start,
+            None if first is None else first - start,
+            int(ids.shape[0]),
+            length,
+        )
+        return None if new is None else torch.cat([ids.to(new.device), new[:, :length]], 1)
+
+    def program(self, num_groups: int, prompt_length: int, config: GenerationConfig) -> Program:
+        """The decode Program of ``num_groups`` groups and prompts of ``prompt_length`` tokens."""
+        key = (num_groups, prompt_length, config.max_new_tokens, config.prefill_chunk)
+        if key not in self._programs:
+            items = decode_items(
+                num_groups, prompt_length, config.max_new_tokens, config.prefill_chunk
+            )
+            self._programs[key] = decode_program(self.graph.topology(), items)
+        return self._programs[key]
+
+    def num_groups(self, batch_size: int, config: GenerationConfig) -> int:
+        """Groups in flight: ``num_groups``, else one per rank, at most one per sequence."""
+        return min(config.num_groups or self.num_ranks, batch_size)
+
+    def cache_bytes(self, batch_size: int, positions: int) -> list[int]:
+        """KV-cache bytes each rank needs for ``batch_size`` sequences of ``positions``."""
+        per_rank = [0] * self.num_ranks
+        for stage in self.graph.stages:
+            per_rank[stage.rank] += (
+                batch_size * positions * self.lm.cache_bytes_per_position(self.units[stage.index])
+            )
+        return per_rank
+
+    def _check(self, ids: torch.Tensor, config: GenerationConfig) -> None:
+        """What can be wrong with a generation, found before any message: context, memory,
+        ``dst``."""
+        length, context = int(ids.shape[1]), self.lm.context_length
+        if context is not None and length > context:
+            raise ValueError(
+                f"the prompt is {length} tokens (with left padding) but the model's context is "
+                f"{context} positions; shorten the prompts"
+            )
+        if context is not None and length + config.max_new_tokens > context:
+            raise ValueError(
+                f"a prompt of {length} tokens plus max_new_tokens={config.max_new_tokens} needs "
+                f"{length + config.max_new_tokens} positions but the model's context is "
+                f"{context}; generate at most {context - length} new tokens or shorten the prompts"
+            )
+        if config.dst is not None and config.dst >= self.num_ranks:
+            raise ValueError(f"dst={config.dst} is not a rank of the {self.num_ranks}-rank group")
+        if config.memory_budget is not None:
+            self._check_budget(ids.shape[0], length + config.max_new_tokens, config.memory_budget)
+
+    def _check_budget(self, batch_size: int, positions: int, budget: int) -> None:
+        for rank, need in enumerate(self.cache_bytes(batch_size, positions)):
+            if need > budget:
+                stages = self.graph.stages_on(rank)
+                blocks = sum(len(self.lm.blocks(self.units[s])) for s in stages)
+                raise ValueError(
+                    f"rank {rank} (stages {stages}) needs {format_bytes(need)} of KV cache "
+                    f"({blocks} blocks x {batch_size} sequences x {positions} positions), over "
+                    f"memory_budget={format_bytes(budget)}; generate fewer tokens, use a smaller "
+                    "batch or split the model over more ranks"
+                )
+
+    def _batch(self, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> Batch:
+        new = torch.ones((ids.shape[0], config.max_new_tokens), dtype=torch.bool)
+        key_mask = torch.cat([mask, new], dim=1)
+        num_groups = self.num_groups(ids.shape[0], config)
+        return Batch(
+            ids.to(self.device),
+            key_mask.to(self.device),
+            positions_of(key_mask).to(self.device),
+            groups_of(ids.shape[0], num_groups),
+            decode_items(num_groups, ids.shape[1], config.max_new_tokens, config.prefill_chunk),
+            config,
+            config.cache or self.lm.default_cache,
+        )
+
+    def _share(
+        self, tokens: dict[int, list[torch.Tensor]], batch: Batch, dst: int | None
+    ) -> torch.Tensor | None:
+        """The (batch, max new tokens) tokens, from the last stage's rank to every rank (or
+        to ``dst``)."""
+        sink = self.graph.rank_of(self.graph.sink)
+        if tokens:
+            new = torch.cat([torch.stack(tokens[g], dim=1) for g in range(len(batch.groups))])
+        else:
+            shape = (batch.input_ids.shape[0], batch.config.max_new_tokens)
+            new = torch.empty(shape, dtype=torch.long, device=self.device)
+        if self.num_ranks == 1:
+            return new
+        if dst is None:
+            dist.broadcast(new, group=self.group, group_src=sink)
+            return new
+        if dst == sink:
+            return new if self.rank == sink else None
+        if self.rank == sink:
+            dist.send(new, group=self.group, group_dst=dst)
+        elif self.rank == dst:
+            dist.recv(new, group=self.group, group_src=sink)
+        return new if self.rank == dst else None
+
+    def _check_materialized(self) -> None:
+        """Refuse this rank's modules if they hold meta tensors: they have no values to run."""
+        for s in self.graph.stages_on(self.rank):
+            for module in self.lm.unit_modules(self.units[s]):
+                for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                    if tensor.is_meta:
+                        raise ValueError(
+                            f"stage {s}'s {type(module).__name__} has {name!r} on the meta "
+                            "device, without values; load the weights first (e.g. "
+                            "model.load_state_dict(state, assign=True) or from_pretrained) "
+                            "or build the model on a real device"
+                        )
+
+    def _model_device(self) -> torch.device:
+        """The device of this rank's parameters (CPU for a model without any)."""
+        for module in self._local_modules():
+            for parameter in module.parameters():
+                return parameter.device
+        return torch.device("cpu")
+
+    def _local_modules(self) -> list[nn.Module]:
+        return [
+            module
+            for s in self.graph.stages_on(self.rank)
+            for module in self.lm.unit_modules(self.units[s])
+        ]
+
+    # -- timelines -------------------------------------------------------------------------
+
+    def timeline(self, generation: int = -1) -> Timeline:
+        """Every rank's events of one traced generate call (default: the last).
+
+        Collective over the group; needs ``trace=True``.
+        """
+        if self.recorder is None:
+            raise RuntimeError("this DecodePipeline records no timeline; create it with trace=True")
+        part = self.recorder.timeline(self.num_ranks, generation)
+        parts: list[Any] = [part]
+        if self.num_ranks > 1:
+            parts = [None] * self.num_ranks
+            dist.all_gather_object(parts, part, group=self.group)
+        return merge(
+            parts, {"schedule": "decode", "ranks": self.num_ranks, "balance": list(self.balance)}
+        )
+
+
+def generate(
+    model: Any,
+    input_ids: torch.Tensor | Sequence[torch.Tensor],
+    config: GenerationConfig | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """Generate with the unsplit model on this process: the same KV caches, groups and
+    sampling as a DecodePipeline, without torch.distributed.
+
+        tokens = generate(model, input_ids, max_new_tokens=32, do_sample=True, seed=1)
+    """
+    lm = as_causal_lm(model)
+    decoder = DecodePipeline(lm, balance=[lm.num_units], device=device, local=True)
+    tokens = decoder.generate(input_ids, config, attention_mask=attention_mask, **options)
+    assert tokens is not None
+    return tokens
+
+
+def default_balance(num_units: int, num_stages: int) -> list[int]:
+    """Units per stage: the blocks evenly (larger stages first), the embedding with the first
+    stage and the head with the last."""
+    num_blocks = num_units - 2
+    if num_stages == 1:
+        return [num_units]
+    if num_blocks < num_stages:
+        return even_balance(num_units, num_stages)
+    balance = even_balance(num_blocks, num_stages)
+    balance[0] += 1
+    balance[-1] += 1
+    return balance
+
+
+def _stage_units(lm: CausalLM, balance: Sequence[int]) -> dict[int, range]:
+    if any(b < 1 for b in balance) or sum(balance) != lm.num_units:
+        raise ValueError(
+            f"balance {list(balance)} covers {sum(balance)} units but the model has "
+            f"{lm.num_units} (the embedding, {lm.num_blocks} blocks and the head); pass "
+            f"positive counts that sum to {lm.num_units}, or omit balance to split evenly"
+        )
+    starts = [sum(balance[:i]) for i in range(len(balance))]
+    return {
+        s: range(start, start + b) for s, (start, b) in enumerate(zip(starts, balance, strict=True))
+    }
+
+
+def _group_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized; launch with `conveyor run -n N script.py` "
+            "and call torch.distributed.init_process_group() first, or use "
+            "conveyor.inference.generate(model, ...) on one process"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@contextlib.contextmanager
+def _eval_mode(modules: list[nn.Module]) -> Iterator[None]:
+    """Modules in eval mode (no dropout) for the body, then back to their own modes."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes, strict=True):
+            m.train(mode)

@@ -1,0 +1,174 @@
+"""Decode Programs as plain data: items, fed-back tokens, group order, the validator's rules,
+the simulator on them, and decode costs (conveyor.inference.schedule, .cost)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conveyor.graph import chain
+from conveyor.inference import decode_items, decode_program
+from conveyor.inference.cost import DecodeCost, Fit, StageFit, pairs
+from conveyor.inference.parallelism import LayerCosts, compare
+from conveyor.planner.profile import Link, Overheads
+from conveyor.program import Action, Kind, Program
+from conveyor.schedule import ProgramError, validate
+from conveyor.simulator import simulate
+from conveyor.trace import render_grid
+
+
+def test_items_run_prompt_chunks_then_one_token_per_round() -> None:
+    items = decode_items(num_groups=2, prompt_length=8, max_new_tokens=3, prefill_chunk=5)
+    rows = [(i.group, i.start, i.length, i.source, i.samples) for i in items]
+    assert rows == [
+        (0, 0, 5, None, False),  # first chunk of each group's prompt
+        (1, 0, 5, None, False),
+        (0, 5, 3, None, True),  # last chunk: samples the first new token
+        (1, 5, 3, None, True),
+        (0, 8, 1, 2, True),  # second token: takes the token item 2 sampled
+        (1, 8, 1, 3, True),
+        (0, 9, 1, 4, True),
+        (1, 9, 1, 5, True),
+    ]
+
+
+def test_groups_in_flight_keep_every_rank_busy() -> None:
+    graph = chain(2)
+    naive = simulate(decode_program(graph, decode_items(1, 4, 4)), graph)
+    grouped = simulate(decode_program(graph, decode_items(2, 4, 4)), graph)
+    assert render_grid(naive).splitlines() == [
+        "rank 0 | 0F0  .  0F1  .  0F2  .  0F3  . ",
+        "rank 1 |  .  1F0  .  1F1  .  1F2  .  1F3",
+    ]
+    assert render_grid(grouped).splitlines() == [  # the grid drawn in conveyor.inference.schedule
+        "rank 0 | 0F0 0F1 0F2 0F3 0F4 0F5 0F6 0F7  . ",
+        "rank 1 |  .  1F0 1F1 1F2 1F3 1F4 1F5 1F6 1F7",
+    ]
+    assert naive.bubble_fraction == 0.5 and grouped.bubble_fraction == pytest.approx(1 / 9)
+
+
+def test_the_sampled_token_travels_back_as_a_send_and_a_receive() -> None:
+    graph = chain(2)
+    program = decode_program(graph, decode_items(1, 4, 3))
+    assert str(program).splitlines() == [  # the last item's token feeds nothing
+        "0RF0<1 0RF1<1 0F0 0SF0>1 0F1 0SF1>1 0F2 0SF2>1",
+        "1RF0<0 1RF1<0 1RF2<0 1F0 1SF0>0 1F1 1SF1>0 1F2",
+    ]
+    assert program.feedback is not None and program.feedback.sources == (None, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("placement", "groups"), [([0, 1, 1, 0], 2), ([0, 1, 0, 1], 3), ([0, 1, 2], 2)]
+)
+def test_any_placement_gives_a_valid_program(placement: list[int], groups: int) -> None:
+    graph = chain(len(placement), placement=placement)
+    program = decode_program(graph, decode_items(groups, 6, 5, prefill_chunk=2))
+    validate(program, graph)  # decode_program validated it too; this checks the contract
+    if placement[-1] == placement[0]:  # the last stage is on the first one's rank: no messages
+        assert not any(a.peer == 0 and a.stage == 3 for a in program[0])
+    timeline = simulate(program, graph)
+    assert sum(e.is_compute for e in timeline.events) == len(placement) * groups * 7
+
+
+def _swap(program: Program, rank: int, a: str, b: str) -> Program:
+    actions = list(program[rank])
+    i, j = actions.index(Action.parse(a)), actions.index(Action.parse(b))
+    actions[i], actions[j] = actions[j], actions[i]
+    ranks = list(program.ranks)
+    ranks[rank] = tuple(actions)
+    return dataclasses.replace(program, ranks=tuple(ranks))
+
+
+def test_the_validator_keeps_a_groups_items_in_order_on_every_stage() -> None:
+    graph = chain(2, placement=[0, 0])
+    program = decode_program(graph, decode_items(2, 4, 3, prefill_chunk=2))
+    with pytest.raises(ProgramError, match="runs after 0F2 of the same group 0"):
+        validate(_swap(program, 0, "0F0", "0F2"), graph)
+
+
+def test_the_validator_checks_the_feedback() -> None:
+    graph = chain(2)
+    program = decode_program(graph, decode_items(2, 4, 3))
+    assert program.feedback is not None
+    other_group = dataclasses.replace(program.feedback, sources=(None, None, 1, 3, 2, 3))
+    with pytest.raises(ProgramError, match="micro-batch 2 \\(group 0\\) is fed by 1"):
+        validate(dataclasses.replace(program, feedback=other_group), graph)
+    without = tuple(a for a in program[0] if str(a) != "0RF2<1")
+    with pytest.raises(ProgramError, match="0F4: comes before 0RF2<1, which it depends on"):
+        validate(dataclasses.replace(program, ranks=(without, program[1])), graph)
+    local = chain(2, placement=[0, 0])
+    program = decode_program(local, decode_items(1, 4, 2))
+    with pytest.raises(ProgramError, match="0F1: comes before 1F0"):  # the token it takes
+        validate(_swap(program, 0, "0F1", "1F0"), local)
+
+
+def test_fits_recover_their_coefficients() -> None:
+    truth = Fit(1e-3, 2e-5, 3e-8)
+    points = [
+        (r, n, s, truth.time(r, n, s)) for r in (1, 4) for n, s in [(1, 10), (1, 900), (64, 0)]
+    ]
+    fitted = Fit.of(points)
+    assert fitted.fixed == pytest.approx(1e-3) and fitted.per_token == pytest.approx(2e-5)
+    assert fitted.per_pair == pytest.approx(3e-8)
+    assert pairs(2, 3, 4) == 2 * (3 * 4 + 6)  # positions 5, 6, 7 see 5 + 6 + 7 keys
+
+
+def test_decode_costs_charge_items_messages_and_overheads() -> None:
+    graph = chain(2)
+    items = decode_items(2, 8, 2)
+    groups = [range(0, 3), range(3, 5)]
+    fit = StageFit(decode=Fit(1.0, 0.1, 0.0), prefill=Fit(2.0, 0.01, 0.0))
+    cost = DecodeCost(
+        [fit, fit],
+        graph,
+        items,
+        groups,
+        16 * 8,  # width 16, float64
+        link=Link(latency=0.5, bandwidth=1e3),
+        overheads=Overheads(send=0.25, recv=0.125, wait=0.0625),
+        forward_overhead=0.03125,
+    )
+    assert cost.compute(Action(0, Kind.F, 1)) == pytest.approx(2.0 + 0.01 * 2 * 8 + 0.03125)
+    assert cost.compute(Action(1, Kind.F, 2)) == pytest.approx(1.0 + 0.1 * 3 + 0.03125)
+    hidden = Action(0, Kind.SEND_F, 2, 1)  # 3 rows x 1 token x 16 float64 + the done flag
+    assert cost.message_bytes(hidden) == 3 * 16 * 8 + 1
+    feedback = Action(0, Kind.RECV_F, 1, 1)  # group 1's two tokens
+    assert cost.message_bytes(feedback) == 2 * 8 + 1
+    assert cost.transfer(hidden) == pytest.approx(0.5 + (3 * 16 * 8 + 1) / 1e3)
+    assert cost.overhead(hidden) == 0.25 and cost.overhead(feedback) == 0.125
+    timeline = simulate(decode_program(graph, items), graph, cost)
+    assert timeline.step_time > 4 * 2.0  # two prefills per rank, then decode steps
+
+
+def test_parallelisms_on_paper_agree_on_one_device_and_split_memory() -> None:
+    block = StageFit(decode=Fit(1e-4, 1e-3, 1e-8), prefill=Fit(1e-4, 1e-4, 1e-8))
+    tiny = StageFit(decode=Fit(1e-5, 0.0, 0.0), prefill=Fit(1e-5, 0.0, 0.0))
+    costs = LayerCosts(
+        tiny,
+        block,
+        tiny,
+        hidden_size=64,
+        num_heads=4,
+        dtype_bytes=4,
+        block_params=1000,
+        head_params=500,
+    )
+    link = Link(latency=1e-5, bandwidth=1e9)
+    alone = {e.strategy: e for e in compare(costs, 8, link, [1], [256], new_tokens=5)}
+    plain = 8 * block.prefill.time(1, 256, 0) + 2 * tiny.prefill.time(1, 256, 0)
+    for result in alone.values():  # one device: nothing to split, nothing to send
+        assert result.time_to_first_token == pytest.approx(plain, rel=0.05)
+    found = compare(costs, 8, link, [2, 8], [256, 4096])
+    assert {(e.strategy, e.devices) for e in found} == {
+        (s, p) for s in ("pipeline", "context") for p in (2, 8)
+    } | {("tensor", 2)}  # 4 heads: at most 4 devices of tensor parallelism
+    for e in found:
+        assert e.kv_bytes_per_device == 2 * 8 * (e.prompt + 16) * 64 * 4 / e.devices
+        replicated = e.strategy == "context"
+        assert e.weight_bytes_per_device == (8 * 1000 + 500) * 4 / (1 if replicated else e.devices)
+    by = {(e.strategy, e.devices, e.prompt): e for e in found}
+    # a long prompt: context parallelism divides the quadratic attention, as pipelines with
+    # chunks do, and both beat tensor parallelism's two all-reduces per layer at 2 devices
+    long = [by[(s, 8, 4096)].time_to_first_token for s in ("pipeline", "context")]
+    assert max(long) < by[("pipeline", 2, 4096)].time_to_first_token
