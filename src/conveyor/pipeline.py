@@ -13,9 +13,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from conveyor.config import PipelineConfig, resolve
 from conveyor.graph import StageGraph
+from conveyor.parallel import (
+    DataParallel,
+    PipelineMesh,
+    TPPlan,
+    parallelize_stages,
+    pipeline_mesh,
+)
+from conveyor.parallel.tensor_parallel import check_plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
@@ -33,7 +43,8 @@ from conveyor.split import (
     split_model,
 )
 from conveyor.split.auto import auto_split
-from conveyor.trace import Recorder, Timeline, merge
+from conveyor.trace import REDUCE, Recorder, Timeline, merge
+from conveyor.training import clip_grad_norm_, share_loss
 
 __all__ = ["Pipeline"]
 
@@ -65,6 +76,8 @@ class Pipeline:
         concrete_args: dict[str, Any] | None = None,
         plan: str | os.PathLike[str] | None = None,
         example_inputs: Any = None,
+        mesh: DeviceMesh | None = None,
+        tp_plan: TPPlan | None = None,
         **options: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -78,6 +91,12 @@ class Pipeline:
         config = self.config = resolve(config, plan=plan, options=options)
         if config.keep_host_memory:
             keep_freed_memory()
+        self.mesh = _mesh(model, config, mesh, group, tp_plan)
+        """This rank's place in the dp x pp x tp mesh; None for one pipeline (no mesh)."""
+        if self.mesh is not None:
+            group = self.mesh.pp_group
+            shape = self.mesh.shape
+            config = self.config = config.replace(dp=shape.dp, pp=shape.pp, tp=shape.tp)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -121,6 +140,9 @@ class Pipeline:
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
+        self.data_parallel = self._parallelize(tp_plan)
+        """This rank's stages over the replicas (FSDP2), or None with one replica."""
+        self.ties.rebind(self.stages)
         p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self._runtime = Runtime(
             self.graph,
@@ -135,10 +157,41 @@ class Pipeline:
         self.step_index = 0
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
+        if self.data_parallel is not None:
+            self._runtime.on_weights_done = self._reduce_stage
         if config.trace or config.trace_dir:
             self._start_trace(p2p)
         if self.rank == 0:
             logger.info("%s", self.describe())
+        if self.mesh is not None and dist.get_rank() == 0:
+            logger.info("%s", self.mesh.layout(self.graph.stages_on))
+
+    def _parallelize(self, tp_plan: TPPlan | None) -> DataParallel | None:
+        """Split this rank's stages over the tensor-parallel ranks, then wrap them for data
+        parallelism; See Note [pipeline mesh]."""
+        mesh, config = self.mesh, self.config
+        if mesh is None:
+            return None
+        if mesh.tp_mesh is not None and tp_plan:
+            parallelize_stages(self.stages, mesh.tp_mesh, tp_plan)
+        if mesh.dp_mesh is None or mesh.num_replicas == 1:
+            return None
+        return DataParallel(
+            self.stages,
+            mesh.dp_mesh,
+            fsdp=config.fsdp,
+            reshard_after_forward=config.reshard_after_forward,
+            reduction=config.loss_reduction,
+        )
+
+    def _reduce_stage(self, stage: int) -> None:
+        """Reduce a stage's gradients over the replicas as soon as its backward is done."""
+        assert self.data_parallel is not None
+        recorder = self.recorder
+        start = 0.0 if recorder is None else recorder.now()
+        self.data_parallel.stage_done(stage)
+        if recorder is not None:
+            recorder.add(f"{REDUCE} {stage}", start, recorder.now())
 
     # -- running ---------------------------------------------------------------------------
 
@@ -146,7 +199,10 @@ class Pipeline:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
         Returns the batch's loss (detached) on the rank that holds the last stage, None on the
-        others. Call the optimizer and ``zero_grad`` as in plain training.
+        others; with ``broadcast_loss``, the step's loss over every replica, on every rank.
+        Call the optimizer and ``zero_grad`` as in plain training. With data parallelism,
+        each replica passes its own share of the global batch (conveyor.data.ResumableLoader
+        with ``num_replicas``), the same on every rank of the replica.
         """
         recorder = self.recorder
         if recorder is not None:
@@ -160,19 +216,26 @@ class Pipeline:
                 "for inference"
             )
         before = self.ties.gradients()
+        if self.data_parallel is not None:
+            self.data_parallel.begin_step()
         state = self._runtime.run(self.program[self.rank], self._inputs(inputs, targets, True))
+        if self.data_parallel is not None:
+            self.data_parallel.end_step()
         self.ties.sum_gradients(before)
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1
-        if not state.losses:
-            return None
-        return torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
+        loss = None
+        if state.losses:
+            loss = torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
+        return share_loss(self, loss) if self.config.broadcast_loss else loss
 
     def forward(self, inputs: Any) -> Any:
         """Inference: the model's output for ``inputs`` on the last stage's rank, else None."""
         with torch.no_grad():
             state = self._runtime.run(self._inference[self.rank], self._inputs(inputs, None, False))
+        if self.data_parallel is not None:
+            self.data_parallel.reshard()
         if not state.model_outputs:
             return None
         return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
@@ -247,7 +310,31 @@ class Pipeline:
             weights,
             self.step_index,
             is_training,
+            first_microbatch=self.replica * m,
         )
+
+    # -- the mesh ---------------------------------------------------------------------------
+
+    @property
+    def replica(self) -> int:
+        """Index of this rank's replica (0 without data parallelism)."""
+        return 0 if self.mesh is None else self.mesh.replica
+
+    @property
+    def num_replicas(self) -> int:
+        return 1 if self.mesh is None else self.mesh.num_replicas
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the whole model's gradients to a global norm of at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` clips a plain model's; returns the norm before
+        clipping, on every rank. Collective: call it on every rank of the job.
+
+        The norm is over every stage, replica and shard, a weight tied across stages counted
+        once; See Note [global gradient norm] in conveyor.training.
+        """
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     # -- the local part of the model ------------------------------------------------------
 
@@ -287,7 +374,11 @@ class Pipeline:
                     f"{' ...' if len(missing) > 5 else ''}; pass a state_dict of the "
                     "same model, or strict=False to keep the current values"
                 )
-            module.load_state_dict({k: state[k] for k in wanted if k in state}, strict=False)
+            current = module.state_dict()
+            module.load_state_dict(
+                {k: _placed_like(state[k], current[k]) for k in wanted if k in state},
+                strict=False,
+            )
 
     def train(self, mode: bool = True) -> Pipeline:
         for module in self.stages.values():
@@ -313,13 +404,63 @@ class Pipeline:
     def describe(self) -> str:
         """One line: the plan, as logged at start-up."""
         estimate = simulate(self.program, self.topology)
+        mesh = "" if self.mesh is None else f"mesh {self.mesh.shape}{' fsdp' * self.config.fsdp} "
         return (
-            f"schedule={self.config.schedule} stages={self.graph.num_stages} "
+            f"{mesh}schedule={self.config.schedule} stages={self.graph.num_stages} "
             f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
             f"{_split_summary(self.graph, self.split_points)} "
             f"checkpoint={self.config.checkpoint} "
             f"est. bubble={estimate.bubble_fraction:.0%}"
         )
+
+
+def _placed_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) as this rank's part of ``current`` when that is a DTensor
+    (data or tensor parallelism): each rank slices its own shard, without communication."""
+    if not isinstance(current, DTensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(
+        value.to(current.device), current.device_mesh, current.placements, src_data_rank=None
+    )
+
+
+def _mesh(
+    model: nn.Module | StageGraph,
+    config: PipelineConfig,
+    mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+    tp_plan: TPPlan | None,
+) -> PipelineMesh | None:
+    """The mesh of ``mesh=`` or of the config's sizes (None: one pipeline over ``group``);
+    every check runs before any communication. See Note [pipeline mesh]."""
+    sized = any(size not in (None, 1) for size in (config.dp, config.tp))
+    if group is not None and (mesh is not None or sized):
+        raise ValueError(
+            "pass group= (one pipeline over a process group of your own) or a mesh (mesh=, "
+            "or sizes dp=, pp=, tp=), not both"
+        )
+    names = list(mesh.mesh_dim_names or ()) if mesh is not None else []
+    tp = mesh.size(names.index("tp")) if mesh is not None and "tp" in names else config.tp or 1
+    if tp > 1 and not tp_plan:
+        raise ValueError(
+            f"tp={tp} splits every stage over {tp} ranks, which needs a plan: pass "
+            'tp_plan={"module.name": ColwiseParallel(), ...} (torch.distributed.tensor.parallel)'
+        )
+    if tp_plan and tp == 1:
+        raise ValueError(
+            "tp_plan is given but there is no tensor parallelism; pass tp=N, or a mesh with "
+            "a 'tp' dimension"
+        )
+    if tp_plan:
+        check_plan(tp_plan, _module_names(model))
+    if group is not None:
+        return None
+    return pipeline_mesh(mesh, config.dp, config.pp, config.tp, dist.get_world_size())
+
+
+def _module_names(model: nn.Module | StageGraph) -> list[str]:
+    modules = [model] if isinstance(model, nn.Module) else [s.module for s in model.stages]
+    return [name for m in modules if m is not None for name, _ in m.named_modules()]
 
 
 def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from conveyor.files import atomic_path, write_atomic
 
 __all__ = [
+    "REDUCE",
     "WAIT",
     "Event",
     "RankSummary",
@@ -39,6 +40,10 @@ __all__ = [
 WAIT = "wait"
 """Action name prefix of a wait: ``wait 1RF0<0`` is time blocked on that receive,
 ``wait sends`` the wait for outstanding sends at the end of a step."""
+
+REDUCE = "reduce"
+"""Action name prefix of a data-parallel gradient reduction: ``reduce 1`` reduces stage 1's
+gradients over the replicas (conveyor.parallel.data_parallel)."""
 
 _ACTION = re.compile(r"^(\d+)(F|B|I|W|SF|RF|SB|RB)(\d+)(?:[<>](\d+))?$")
 _KIND_NAMES = {
@@ -73,9 +78,12 @@ class Event:
 
     @property
     def kind(self) -> str:
-        """'forward', 'backward', 'backward_input', 'backward_weight', 'send', 'recv', 'wait'."""
+        """'forward', 'backward', 'backward_input', 'backward_weight', 'send', 'recv', 'wait',
+        'reduce'."""
         if self.action.startswith(WAIT):
             return "wait"
+        if self.action.startswith(REDUCE):
+            return "reduce"
         match = _ACTION.match(self.action)
         return _KIND_NAMES[match.group(2)] if match else "other"
 
@@ -163,13 +171,13 @@ class Timeline:
         """Seconds ``rank`` was blocked on communication rather than on a peer's compute.
 
         A wait on a receive counts from the moment the sender started the matching send (before
-        that, the rank waits for the peer's compute: a bubble); sends, posted receives and the
-        final wait for outstanding sends count whole.
+        that, the rank waits for the peer's compute: a bubble); sends, posted receives,
+        data-parallel reductions and the final wait for outstanding sends count whole.
         """
         sends = {e.action: e.start for e in self.events if e.kind == "send"}
         total = 0.0
         for event in self.on(rank):
-            if event.kind in ("send", "recv"):
+            if event.kind in ("send", "recv", "reduce"):
                 total += event.duration
             elif event.kind == "wait":
                 target = event.waited_for
@@ -543,6 +551,7 @@ _COLORS = {
     "send": "#C44E52",
     "recv": "#DD8452",
     "wait": "#D0D0D0",
+    "reduce": "#8172B3",
     "other": "#999999",
 }
 
@@ -588,6 +597,7 @@ def write_png(
             "wait",
             "send",
             "recv",
+            "reduce",
         )
         if any(e.kind == k for t in timelines for e in t.events)
     ]

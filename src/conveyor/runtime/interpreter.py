@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
+from conveyor.parallel.data_parallel import local
 from conveyor.program import Action, Kind
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.batchnorm import recompute_context
@@ -42,6 +43,9 @@ class StepInputs:
     loss_weights: Sequence[float]
     step_index: int
     is_training: bool
+    first_microbatch: int = 0
+    """Index of micro-batch 0 in the global batch (replica x micro-batches with data
+    parallelism), for its random stream: replicas draw the masks plain training would."""
 
 
 @dataclass
@@ -88,9 +92,13 @@ class Runtime:
             assert module is not None, f"stage {s} on rank {rank} has no module"
             self.modules[s] = module
         self.meter = ActivationMeter(enabled=measure_memory)
-        self.meter.exclude(p for m in self.modules.values() for p in m.parameters())
+        self.meter.exclude(local(p) for m in self.modules.values() for p in m.parameters())
         self.recorder: Recorder | None = None
         """Set to record every action's start and end (conveyor.trace)."""
+        self.on_weights_done: Callable[[int], None] | None = None
+        """Called with a stage once the step's last action adding to its weight gradients (its
+        last B or W) has run: data parallelism reduces that stage's gradients then, while the
+        rest of the step runs (conveyor.parallel.data_parallel)."""
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
@@ -108,15 +116,18 @@ class Runtime:
         self._step = step
         self._state = _State()
         recorder = self.recorder
+        done = _last_weight_actions(actions) if self.on_weights_done is not None else {}
         with torch.set_grad_enabled(step.is_training):
-            for action in actions:
+            for index, action in enumerate(actions):
                 logger.debug("[rank %d] %s", self.rank, action)
                 if recorder is None:
                     self._handlers[action.kind](action)
-                    continue
-                start = recorder.now()
-                self._handlers[action.kind](action)
-                recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
+                else:
+                    start = recorder.now()
+                    self._handlers[action.kind](action)
+                    recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
+                if index in done and self.on_weights_done is not None:
+                    self.on_weights_done(done[index])
             self.p2p.wait_sends()
         state, self._state = self._state, _State()
         return state
@@ -190,7 +201,9 @@ class Runtime:
         """
         producers = self.graph.producers(s)
         if not producers:  # a parallel first stage (another branch) draws from its own stream
-            seed = microbatch_seed(self.seed, self._step.step_index, k)
+            seed = microbatch_seed(
+                self.seed, self._step.step_index, self._step.first_microbatch + k
+            )
             return seed if s == 0 else microbatch_seed(seed, s, 0)
         parent = producers[-1]
         if parent not in received:
@@ -363,6 +376,12 @@ class Runtime:
             ]
         )
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
+
+
+def _last_weight_actions(actions: Sequence[Action]) -> dict[int, int]:
+    """{index of the last B or W of each stage in ``actions``: that stage}."""
+    last = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+    return {i: s for s, i in last.items()}
 
 
 def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:

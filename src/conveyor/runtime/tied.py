@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.graph import StageGraph
+from conveyor.parallel.data_parallel import local
 
 __all__ = ["Tie", "TiedWeights", "find_ties"]
 
@@ -135,6 +136,13 @@ class TiedWeights:
                 ", ".join(f"{t.name} (stages {[s for s, _ in t.users]})" for t, *_ in self.params),
             )
 
+    def rebind(self, stages: dict[int, nn.Module]) -> None:
+        """Take each tie's Parameter from ``stages`` again, after data or tensor parallelism
+        replaced the stages' parameters (by DTensors)."""
+        for index, (tie, _, tie_group, source) in enumerate(self.params):
+            stage, name = next((s, n) for s, n in tie.users if s in stages)
+            self.params[index] = (tie, _get(stages[stage], name), tie_group, source)
+
     def equalize(self) -> None:
         """Give every copy the value of the tie's first stage (collective over each tie)."""
         for _, param, tie_group, source in self.params:
@@ -152,7 +160,7 @@ class TiedWeights:
                 continue
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             added = grad if old is None else grad - old
-            dist.all_reduce(added, group=tie_group)
+            dist.all_reduce(local(added), group=tie_group)
             param.grad = added if old is None else old + added
 
     def max_difference(self) -> float:
@@ -160,9 +168,9 @@ class TiedWeights:
         stage's (collective); 0.0 while the ties hold."""
         worst = 0.0
         for _, param, tie_group, source in self.params:
-            reference = param.detach().clone()
+            reference = local(param.detach()).clone()
             dist.broadcast(reference, src=source, group=tie_group)
-            worst = max(worst, float((param.detach() - reference).abs().max()))
+            worst = max(worst, float((local(param.detach()) - reference).abs().max()))
         return worst
 
 

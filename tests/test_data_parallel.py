@@ -1,0 +1,112 @@
+"""dp x pp on a DeviceMesh computes what plain training computes on the global batch: the loss,
+every gradient (replicated or FSDP-sharded), global clipping, with every schedule and ties."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import conveyor
+from dist import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def tied_model(width: int = 8) -> nn.Sequential:
+    """Eight float64 layers with dropout and layer norm; the last Linear is the first's weight
+    (one Parameter object, as a tied embedding is)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [
+        nn.Linear(width, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Dropout(0.2),
+        nn.Linear(width, width),
+        nn.LayerNorm(width),
+        nn.Tanh(),
+        nn.Linear(width, width, bias=False),
+    ]
+    layers[-1].weight = layers[0].weight  # type: ignore[union-attr]
+    return nn.Sequential(*layers).double()
+
+
+def plain_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatches: int, step: int
+) -> torch.Tensor:
+    """Plain training on the global batch: micro-batch j seeded as conveyor seeds global
+    micro-batch j, losses weighted by their share of the batch, gradients accumulated."""
+    total = torch.zeros((), dtype=x.dtype)
+    chunks = zip(x.tensor_split(num_microbatches), y.tensor_split(num_microbatches), strict=True)
+    for j, (xj, yj) in enumerate(chunks):
+        torch.manual_seed(conveyor.microbatch_seed(0, step, j))
+        loss = F.mse_loss(model(xj), yj) * (len(xj) / len(x))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def whole(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor (collective over the replicas for a DTensor)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def check_grads(pipe: conveyor.Pipeline, plain: nn.Module, what: str) -> None:
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    for name, param in pipe.named_parameters():
+        assert param.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(
+            whole(param.grad),
+            expected[name].grad,
+            rtol=0,
+            atol=1e-10,
+            msg=lambda m, n=name: f"{what}: {n}: {m}",
+        )
+
+
+def _equivalence(rank: int, world_size: int) -> None:
+    m, steps = 2, 2
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 8).double(), torch.randn(8, 8).double()) for _ in range(steps)]
+    for schedule in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
+        for fsdp in (False, True):
+            what = f"{schedule} fsdp={fsdp}"
+            model = tied_model()
+            plain = copy.deepcopy(model)
+            pipe = conveyor.Pipeline(
+                model,
+                dp=2,
+                fsdp=fsdp,
+                schedule=schedule,
+                num_microbatches=m,
+                loss_fn=F.mse_loss,
+                broadcast_loss=True,
+                checkpoint="except_last" if fsdp else "never",
+                timeout_s=15,
+            )
+            assert pipe.num_replicas == 2 and pipe.mesh is not None
+            share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+            for step, (x, y) in enumerate(batches):  # two steps: gradients accumulate
+                loss = pipe.step(x[share], y[share])
+                expected = plain_step(plain, x, y, 2 * m, step)
+                torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12, msg=what)
+            check_grads(pipe, plain, what)
+            norm = pipe.clip_grad_norm_(0.1)
+            plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+            torch.testing.assert_close(norm, plain_norm, rtol=0, atol=1e-12, msg=what)
+            check_grads(pipe, plain, f"{what}, clipped")
+            assert pipe.ties.max_difference() == 0.0
+
+
+def test_dp_x_pp_equals_plain_training_on_the_global_batch(tmp_path: Path) -> None:
+    run_ranks(_equivalence, tmp_path, 4, timeout_s=240)
+
+
+def _first_stage(x: Any) -> Any:
+    return x
