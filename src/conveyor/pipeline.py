@@ -8,7 +8,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from conveyor.split import (
     split_model,
 )
 from conveyor.split.auto import auto_split
-from conveyor.trace import REDUCE, Recorder, Timeline, merge
+from conveyor.trace import REDUCE, Recorder, Timeline, merge, trace_file_name
 from conveyor.training import clip_grad_norm_, share_loss
 
 __all__ = ["Pipeline"]
@@ -267,6 +267,8 @@ class Pipeline:
             "ranks": self.num_ranks,
             "split_points": list(self.split_points),
             "checkpoint": list(self.config.stage_checkpoint or [self.config.checkpoint]),
+            "replicas": self.num_replicas,
+            "tp": 1 if self.mesh is None else self.mesh.shape.tp,
         }
 
     def _start_trace(self, p2p: P2P) -> None:
@@ -276,19 +278,25 @@ class Pipeline:
         self.recorder = recorder
         if self.config.trace_dir:
             directory = os.path.abspath(self.config.trace_dir)
-            os.makedirs(directory, exist_ok=True)
-            # line-buffered: each step is on disk when step() returns, even if the run dies
-            path = os.path.join(directory, f"rank{self.rank}.jsonl")
-            sink = open(path, "w", buffering=1)  # noqa: SIM115  # closed by the finalizer below
-            sink.write(json.dumps({**recorder.header(), "meta": self._trace_meta()}) + "\n")
-            recorder.sink = sink
-            weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
-            if self.rank == 0:
+            recorder.sink = self._trace_file(recorder, directory)
+            if self.rank == 0 and self.replica == 0:
                 logger.info(
                     "tracing to %s; render with `conveyor trace %s`",
                     directory,
                     self.config.trace_dir,
                 )
+
+    def _trace_file(self, recorder: Recorder, directory: str) -> TextIO:
+        """This rank's trace file (one per replica and stage rank), its header written;
+        line-buffered, so each step is on disk when step() returns, even if the run dies."""
+        os.makedirs(directory, exist_ok=True)
+        tp_index = 0 if self.mesh is None else self.mesh.tp_index
+        name = trace_file_name(self.rank, None if self.mesh is None else self.replica, tp_index)
+        sink = open(os.path.join(directory, name), "w", buffering=1)  # noqa: SIM115
+        weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
+        head = {**recorder.header(), "replica": self.replica, "tp": tp_index}
+        sink.write(json.dumps({**head, "meta": self._trace_meta()}) + "\n")
+        return sink
 
     def _inputs(self, inputs: Any, targets: Any, is_training: bool) -> StepInputs:
         m = self.config.num_microbatches

@@ -32,6 +32,7 @@ __all__ = [
     "load_run",
     "merge",
     "render_grid",
+    "trace_file_name",
     "write_chrome",
     "write_png",
 ]
@@ -141,6 +142,11 @@ class Timeline:
     def on(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
 
+    def label(self, rank: int) -> str:
+        """The name of a row: 'rank 1', or 'replica 0 rank 1' in a run of several replicas."""
+        labels = self.meta.get("row_labels")
+        return str(labels[rank]) if labels else f"rank {rank}"
+
     @property
     def start(self) -> float:
         return min((e.start for e in self.events), default=0.0)
@@ -200,13 +206,14 @@ class Timeline:
 
     def summary_text(self) -> str:
         """The summary as a small table, with the step time and bubble fraction on top."""
+        width = max(4, *(len(self.label(r)) for r in range(self.num_ranks)))
         lines = [
             f"{self.title()}",
-            f"{'rank':>4}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}",
+            f"{'':>{width}}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}",
         ]
         for row in self.summary():
             lines.append(
-                f"{row.rank:>4}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
+                f"{self.label(row.rank):>{width}}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
                 f"{row.comm_wait:>9.1%}  "
                 f"{_bytes(row.peak_memory) if row.peak_memory else '-':>10}"
             )
@@ -407,37 +414,51 @@ def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Time
     return Timeline(num_ranks, clipped, "measured", dict(meta or {}))
 
 
+def trace_file_name(rank: int, replica: int | None = None, tp_index: int = 0) -> str:
+    """The trace file of a pipeline rank: ``rank<N>.jsonl``, or with a mesh
+    ``replica<R>-rank<N>.jsonl`` (``replica<R>-tp<T>-rank<N>.jsonl`` with tensor parallelism)."""
+    if replica is None:
+        return f"rank{rank}.jsonl"
+    return f"replica{replica}-{f'tp{tp_index}-' if tp_index else ''}rank{rank}.jsonl"
+
+
 def load_run(directory: str | Path, step: int | None = None) -> Timeline:
     """The Timeline of one step of a run recorded with ``--trace DIR`` (default: the last step
-    every rank recorded).
+    every rank recorded). The files of several replicas (and tensor-parallel ranks) become
+    one Timeline, a row per (replica, tp rank, pipeline rank), labelled ``replica R rank N``.
 
     Raises:
-        FileNotFoundError: the directory holds no ``rank*.jsonl`` files.
-        ValueError: the requested step was not recorded by every rank.
+        FileNotFoundError: the directory holds no trace files.
+        ValueError: a rank's file is missing, or the step was not recorded by every rank.
     """
-    files = sorted(Path(directory).glob("rank*.jsonl"))
+    files = sorted(Path(directory).glob("*rank*.jsonl"))
     if not files:
         raise FileNotFoundError(
             f"no trace files (rank*.jsonl) in {str(directory)!r}; record "
             "a run with `conveyor run --trace DIR` or "
             "`conveyor demo --trace DIR`"
         )
-    per_rank: dict[int, dict[int, list[Any]]] = {}
+    per_row: dict[tuple[int, int, int], dict[int, list[Any]]] = {}
     meta: dict[str, Any] = {}
     for path in files:
         lines = path.read_text().splitlines()
         head = json.loads(lines[0])
         meta.update(head.get("meta", {}))
-        per_rank[int(head["rank"])] = {
+        key = (int(head.get("replica", 0)), int(head.get("tp", 0)), int(head["rank"]))
+        per_row[key] = {
             row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))
         }
-    num_ranks = int(meta.get("ranks", 1 + max(per_rank)))
-    common = set.intersection(*(set(steps) for steps in per_rank.values()))
-    if len(per_rank) < num_ranks:
+    num_ranks = int(meta.get("ranks", 1 + max(k[2] for k in per_row)))
+    replicas, tp = int(meta.get("replicas", 1)), int(meta.get("tp", 1))
+    rows = [(r, t, p) for r in range(replicas) for t in range(tp) for p in range(num_ranks)]
+    missing = [trace_file_name(p, r if len(rows) > num_ranks else None, t) for r, t, p in rows]
+    missing = [name for key, name in zip(rows, missing, strict=True) if key not in per_row]
+    if missing:
         raise ValueError(
-            f"{str(directory)!r} holds trace files of ranks {sorted(per_rank)}, but "
-            f"the run had {num_ranks} ranks; copy every rank's rank<N>.jsonl there"
+            f"{str(directory)!r} lacks the trace files {missing[:4]} of a run of "
+            f"{len(rows)} ranks; copy every rank's file there"
         )
+    common = set.intersection(*(set(steps) for steps in per_row.values()))
     if not common:
         raise ValueError(f"the ranks in {str(directory)!r} recorded no step in common")
     chosen = max(common) if step is None else step
@@ -447,9 +468,13 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
             f"{min(common)}..{max(common)}"
         )
     parts = [
-        Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
-        for rank, rows in per_rank.items()
+        Timeline(len(rows), [Event(row, a, s, e, b, m) for a, s, e, b, m in per_row[key][chosen]])
+        for row, key in enumerate(rows)
     ]
+    if len(rows) > num_ranks:
+        meta["row_labels"] = [
+            f"replica {r}{f' tp {t}' if tp > 1 else ''} rank {p}" for r, t, p in rows
+        ]
     return merge(parts, {**meta, "step": chosen})
 
 
@@ -488,7 +513,8 @@ def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
         origin = timeline.start
         for rank in range(timeline.num_ranks):
             pid = index * timeline.num_ranks + rank if len(timelines) > 1 else rank
-            name = f"{timeline.source} rank {rank}" if len(timelines) > 1 else f"rank {rank}"
+            name = timeline.label(rank)
+            name = f"{timeline.source} {name}" if len(timelines) > 1 else name
             events.append(
                 {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
             )
@@ -646,6 +672,6 @@ def _gantt(ax: Any, timeline: Timeline, unit: float, span: float) -> None:
                     y - 0.43, max(width, span / 2000), left=left, height=0.1, color=_COLORS[e.kind]
                 )
     ax.set_yticks(range(timeline.num_ranks))
-    ax.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+    ax.set_yticklabels([timeline.label(r) for r in reversed(range(timeline.num_ranks))])
     ax.set_xlim(0, span * 1.01)
     ax.set_title(timeline.title(), fontsize=10)
