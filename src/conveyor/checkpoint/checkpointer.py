@@ -116,7 +116,8 @@ class Checkpointer:
     process group of those ranks for checkpoint traffic, so background writes never
     interleave with the pipeline's messages (with several pipelines in one job, create them
     in the same order on every rank, as torch names process groups by count). ``options``
-    are CheckpointConfig fields. Checkpoints are pickled objects as well as tensors: load only those you trust.
+    are CheckpointConfig fields. Checkpoints are pickled objects as well as tensors: load
+    only those you trust.
     """
 
     def __init__(
