@@ -324,6 +324,11 @@ def test_run_options_are_taken_before_the_script_only(
     with pytest.raises(ValueError, match="no 'pipeline' section"):
         (tmp_path / "p.json").write_text("{}")
         take_run_options(["--plan", str(tmp_path / "p.json"), "train.py"])
+    monkeypatch.setenv("CONVEYOR_DP", "")  # restored (unset) after the test
+    assert take_run_options(["-n", "4", "--dp", "2", "train.py"]) == ["-n", "4", "train.py"]
+    assert __import__("os").environ["CONVEYOR_DP"] == "2"
+    with pytest.raises(ValueError, match="positive number of ranks, got 'two'"):
+        take_run_options(["--dp", "two", "train.py"])
 
 
 _SCRIPT = """

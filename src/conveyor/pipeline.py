@@ -161,10 +161,10 @@ class Pipeline:
             self._runtime.on_weights_done = self._reduce_stage
         if config.trace or config.trace_dir:
             self._start_trace(p2p)
-        if self.rank == 0:
+        if self.rank == 0 if self.mesh is None else dist.get_rank() == 0:
             logger.info("%s", self.describe())
-        if self.mesh is not None and dist.get_rank() == 0:
-            logger.info("%s", self.mesh.layout(self.graph.stages_on))
+            if self.mesh is not None:
+                logger.info("%s", self.mesh.layout(self.graph.stages_on))
 
     def _parallelize(self, tp_plan: TPPlan | None) -> DataParallel | None:
         """Split this rank's stages over the tensor-parallel ranks, then wrap them for data
@@ -279,7 +279,7 @@ class Pipeline:
         if self.config.trace_dir:
             directory = os.path.abspath(self.config.trace_dir)
             recorder.sink = self._trace_file(recorder, directory)
-            if self.rank == 0 and self.replica == 0:
+            if self.rank == 0 if self.mesh is None else dist.get_rank() == 0:
                 logger.info(
                     "tracing to %s; render with `conveyor trace %s`",
                     directory,

@@ -66,15 +66,18 @@ def _counted(pipe: Pipeline) -> list[torch.nn.Parameter]:
     """This rank's parameters whose gradient elements it counts in the global norm."""
     skipped = {id(p) for _, p, _, source in pipe.ties.params if source != dist.get_rank()}
     mesh = pipe.mesh
-    whole = mesh is None or (mesh.replica == 0 and mesh.tp_index == 0)
+    coordinates = {} if mesh is None else {"dp": mesh.replica, "tp": mesh.tp_index}
     chosen: list[torch.nn.Parameter] = []
     for param in pipe.parameters():
         if id(param) in skipped:
             continue
+        names: tuple[str, ...] = ()
         if isinstance(param, DTensor):
-            if _first_of_replicas(param):
-                chosen.append(param)
-        elif whole:
+            if not _first_of_replicas(param):
+                continue
+            names = tuple(param.device_mesh.mesh_dim_names or ())
+        # a dimension the tensor does not know about holds it whole on every rank
+        if all(c == 0 for name, c in coordinates.items() if name not in names):
             chosen.append(param)
     return chosen
 
