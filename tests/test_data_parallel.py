@@ -4,6 +4,7 @@ every gradient (replicated or FSDP-sharded), global clipping, with every schedul
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,17 @@ def check_grads(pipe: conveyor.Pipeline, plain: nn.Module, what: str) -> None:
         )
 
 
+def check_one_reduction_per_stage(pipe: conveyor.Pipeline, what: str) -> None:
+    """Each of the rank's stages is reduced once in the step, right after its last B or W."""
+    assert pipe.recorder is not None
+    actions = [e.action for e in pipe.recorder.steps[-1][1] if not e.action.startswith("wait")]
+    reduced = [a for a in actions if a.startswith("reduce")]
+    assert sorted(reduced) == [f"reduce {s}" for s in sorted(pipe.stages)], what
+    for stage in pipe.stages:
+        weights = [i for i, a in enumerate(actions) if re.fullmatch(rf"{stage}[BW]\d+", a)]
+        assert actions[weights[-1] + 1] == f"reduce {stage}", (what, actions)
+
+
 def _equivalence(rank: int, world_size: int) -> None:
     m, steps = 2, 2
     torch.manual_seed(1)
@@ -88,6 +100,7 @@ def _equivalence(rank: int, world_size: int) -> None:
                 loss_fn=F.mse_loss,
                 broadcast_loss=True,
                 checkpoint="except_last" if fsdp else "never",
+                trace=True,
                 timeout_s=15,
             )
             assert pipe.num_replicas == 2 and pipe.mesh is not None
@@ -97,6 +110,7 @@ def _equivalence(rank: int, world_size: int) -> None:
                 expected = plain_step(plain, x, y, 2 * m, step)
                 torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12, msg=what)
             check_grads(pipe, plain, what)
+            check_one_reduction_per_stage(pipe, what)
             norm = pipe.clip_grad_norm_(0.1)
             plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
             torch.testing.assert_close(norm, plain_norm, rtol=0, atol=1e-12, msg=what)
