@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--fsdp", action="store_true", help="shard over the replicas")
+    parser.add_argument("--every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument(
         "--checkpoint-dir",
         default=os.environ.get("CONVEYOR_CHECKPOINT_DIR", "scale_out_checkpoints"),
@@ -70,7 +71,7 @@ def main() -> None:
         optimizer,
         data=loader,
         directory=args.checkpoint_dir,
-        every=10,
+        every=args.every,
         allow_reshard=True,
         allow_numerics_change=True,
     ) as ckpt:

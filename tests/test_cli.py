@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conveyor.cli import main
+from conveyor.trace import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,3 +90,37 @@ def test_run_launches_a_script_on_every_rank(capfd: pytest.CaptureFixture[str]) 
     assert main(["run", "-n", "2", "--max-restarts", "0", script, "--steps", "10"]) == 0
     out = capfd.readouterr()
     assert "step 10 | loss" in out.out + out.err
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_two_nodes_on_localhost_train_two_replicas_and_trace_them(tmp_path: Path) -> None:
+    # two torchrun agents meet through a c10d rendezvous, as two machines would: node 0
+    # holds ranks 0-1 (stage 0 of both replicas), node 1 ranks 2-3 (stage 1)
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    script = str(ROOT / "examples" / "scale_out.py")
+    command = [
+        sys.executable, "-m", "conveyor.cli", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"localhost:{port}", "-n", "2", "--dp", "2", "--trace", "trace",
+        "--max-restarts", "0", script, "--steps", "5", "--every", "5", "--checkpoint-dir", "ckpt",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env.pop("RANK", None)
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, **output) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=360)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    assert "step 5 | loss" in "".join(outputs)
+    assert (tmp_path / "ckpt" / "step-00000005" / "manifest.json").exists()
+    timeline = load_run(tmp_path / "trace")  # 4 files, one timeline: a row per (replica, rank)
+    assert timeline.num_ranks == 4
+    assert [timeline.label(r) for r in range(4)] == [
+        "replica 0 rank 0", "replica 0 rank 1", "replica 1 rank 0", "replica 1 rank 1",
+    ]  # fmt: skip
+    assert {e.action for e in timeline.events if e.kind == "reduce"} == {"reduce 0", "reduce 1"}
