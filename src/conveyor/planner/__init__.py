@@ -6,7 +6,8 @@
 Modules: ``profile`` (per-layer time and memory), ``calibrate`` (runtime overheads, the link
 between ranks, and fitting a profile to a traced run), ``cost`` (a profile as the simulator's
 cost model), ``partition`` (optimal splits of a profiled model), ``search`` (the planner),
-``report`` (its plans and plan file) and ``workloads`` (models known by name).
+``report`` (its plans and plan file), ``mesh`` (dp x pp layouts of a world of ranks, each
+pipeline planned, gradient reductions simulated) and ``workloads`` (models known by name).
 """
 
 from conveyor.planner.calibrate import (
@@ -19,7 +20,15 @@ from conveyor.planner.calibrate import (
     profile_local,
     profile_together,
 )
-from conveyor.planner.cost import Prediction, ProfileCost, layout, predict, split_units
+from conveyor.planner.cost import (
+    Prediction,
+    ProfileCost,
+    Replicas,
+    layout,
+    predict,
+    split_units,
+)
+from conveyor.planner.mesh import MeshPlan, MeshReport, plan_mesh
 from conveyor.planner.profile import (
     Link,
     Overheads,
@@ -38,6 +47,8 @@ from conveyor.planner.workloads import EXAMPLES, example, load_workload
 __all__ = [
     "EXAMPLES",
     "Link",
+    "MeshPlan",
+    "MeshReport",
     "Objective",
     "Overheads",
     "Plan",
@@ -45,6 +56,7 @@ __all__ = [
     "Prediction",
     "Profile",
     "ProfileCost",
+    "Replicas",
     "Unit",
     "UnitStats",
     "Workload",
@@ -58,6 +70,7 @@ __all__ = [
     "measure_overheads",
     "measured_profile",
     "plan",
+    "plan_mesh",
     "predict",
     "profile_local",
     "profile_model",

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint as recompute
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
 from conveyor.parallel.data_parallel import local
-from conveyor.program import Action, Kind
+from conveyor.program import Action, Kind, last_weight_actions
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.batchnorm import recompute_context
 from conveyor.runtime.comm import P2P, Meta, Receive
@@ -116,7 +116,7 @@ class Runtime:
         self._step = step
         self._state = _State()
         recorder = self.recorder
-        done = _last_weight_actions(actions) if self.on_weights_done is not None else {}
+        done = last_weight_actions(actions) if self.on_weights_done is not None else {}
         with torch.set_grad_enabled(step.is_training):
             for index, action in enumerate(actions):
                 logger.debug("[rank %d] %s", self.rank, action)
@@ -376,12 +376,6 @@ class Runtime:
             ]
         )
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
-
-
-def _last_weight_actions(actions: Sequence[Action]) -> dict[int, int]:
-    """{index of the last B or W of each stage in ``actions``: that stage}."""
-    last = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
-    return {i: s for s, i in last.items()}
 
 
 def _or_zeros(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor:
