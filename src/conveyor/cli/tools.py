@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.planner import (
+    Link,
     Profile,
     ProfileCost,
     Workload,
     layout,
     load_workload,
+    measure_reduce_link,
     measured_profile,
     plan,
     plan_mesh,
@@ -197,7 +199,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             spec=args.model,
         )
     if args.world_size:
-        return _plan_mesh(args, workload, profile)
+        reduce_link = None if args.no_link else measure_reduce_link()
+        return _plan_mesh(args, workload, profile, reduce_link)
     report = plan(
         workload,
         args.ranks,
@@ -234,7 +237,9 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _plan_mesh(args: argparse.Namespace, workload: Workload, profile: Profile | None) -> int:
+def _plan_mesh(
+    args: argparse.Namespace, workload: Workload, profile: Profile | None, reduce_link: Link | None
+) -> int:
     """``conveyor plan --world-size N``: the best dp x pp layout and why."""
     report = plan_mesh(
         workload,
@@ -242,6 +247,7 @@ def _plan_mesh(args: argparse.Namespace, workload: Workload, profile: Profile | 
         args.memory,
         args.batch_size,
         profile=profile,
+        reduce_link=reduce_link,
         fsdp=args.fsdp,
         schedules=args.schedules,
         microbatches=args.microbatches,

@@ -112,10 +112,11 @@ class Replicas:
 
     Gradients are reduced over the replicas once per step, right after each stage's last B or
     W (conveyor.parallel.data_parallel), by a ring all-reduce: 2(d-1) steps that each move
-    1/d of the bytes over ``link``, the measured point-to-point link (a ring's neighbours talk
-    point to point). With ``fsdp`` the reduction is a reduce-scatter (half of that), the
-    parameters are gathered once per step before the stage's first forward (the other half),
-    and each rank keeps 1/d of the optimizer state and of the reduced gradients.
+    1/d of the bytes over ``link`` (``conveyor.planner.measure_allreduce`` fits one to a
+    timed all-reduce; a point-to-point link also serves, paying its calls' time per byte).
+    With ``fsdp`` the reduction is a reduce-scatter (half of that), the parameters are
+    gathered once per step before the stage's first forward (the other half), and each rank
+    keeps 1/d of the optimizer state and of the reduced gradients.
     """
 
     count: int
@@ -128,7 +129,8 @@ class Replicas:
         d, link = self.count, self.link
         if d == 1 or link is None:
             return 0.0
-        return phases * (d - 1) * (link.latency + num_bytes / d / link.bandwidth)
+        per_byte = 1 / link.bandwidth + link.send_per_byte + link.recv_per_byte
+        return phases * (d - 1) * (link.latency + num_bytes / d * per_byte)
 
     def reduce_time(self, num_bytes: int) -> float:
         """Reducing ``num_bytes`` of gradients over the replicas."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.planner.cost import Replicas
-from conveyor.planner.profile import Profile, Workload, profile_model
+from conveyor.planner.profile import Link, Profile, Workload, profile_model
 from conveyor.planner.report import Plan, PlanReport
 from conveyor.planner.search import microbatch_counts, microbatch_sizes, plan, unit_depth
 from conveyor.schedule import SCHEDULES, layout_of
@@ -146,6 +146,7 @@ def plan_mesh(
     batch_size: int,
     *,
     profile: Profile | None = None,
+    reduce_link: Link | None = None,
     fsdp: bool = False,
     schedules: Sequence[str] | None = None,
     microbatches: Sequence[int] | None = None,
@@ -154,8 +155,11 @@ def plan_mesh(
     """Search dp x pp layouts of ``world_size`` ranks for a global batch of ``batch_size``.
 
     ``options`` go to ``conveyor.planner.plan`` (objectives, checkpointing, keep,
-    time_budget_s). The profile (measured once for every layout's micro-batch sizes unless
-    given) must carry the link between ranks for reductions to cost anything.
+    time_budget_s). The profile is measured once for every layout's micro-batch sizes unless
+    given. Reductions cost what a ring over ``reduce_link`` costs
+    (``conveyor.planner.measure_allreduce``); without one, over the profile's point-to-point
+    link (which overestimates gloo's all-reduce: docs/benchmarks.md), and with neither, they
+    are free.
 
     Raises:
         ValueError: ``world_size`` below 1.
@@ -174,7 +178,7 @@ def plan_mesh(
         profile = _profile_once(workload, even, batch_size, names, microbatches)
     found = []
     for dp, pp in even:
-        replicas = Replicas(dp, profile.link, fsdp)
+        replicas = Replicas(dp, reduce_link or profile.link, fsdp)
         try:
             report = plan(
                 workload, pp, memory_budget, batch_size // dp, profile=profile,
