@@ -131,28 +131,40 @@ def grid(profile: Profile, link: Link) -> tuple[list[str], dict[int, list[Cell]]
     return rows, cells
 
 
+def _fastest(cells: list[Cell], budget: float = float("inf")) -> Cell | None:
+    fitting = [c for c in cells if c.memory <= budget]
+    return max(fitting, key=lambda c: c.rate) if fitting else None
+
+
 def _best(cells: list[Cell]) -> tuple[str, str]:
-    best = max(cells, key=lambda c: c.rate)
-    fitting = [c for c in cells if c.memory <= BUDGET]
-    chosen = max(fitting, key=lambda c: c.rate) if fitting else None
-    name = f"dp={best.dp} x pp={best.pp}"
-    return name, "none" if chosen is None else f"dp={chosen.dp} x pp={chosen.pp}"
+    names = [
+        "none" if c is None else f"dp={c.dp} x pp={c.pp}"
+        for c in (_fastest(cells), _fastest(cells, BUDGET))
+    ]
+    return names[0], names[1]
+
+
+def _pipelines(cells: dict[int, list[Cell]], budget: float = float("inf")) -> str:
+    """'pp=1 at every size', or the pipeline length chosen at each size."""
+    chosen = {world: _fastest(row, budget) for world, row in cells.items()}
+    lengths = {c.pp for c in chosen.values() if c is not None}
+    if len(lengths) == 1 and None not in chosen.values():
+        return f"pp={lengths.pop()} at every size"
+    return ", ".join(f"pp={c.pp if c else '-'} at {w}" for w, c in chosen.items())
 
 
 def findings(cells: dict[int, list[Cell]]) -> str:
     """What the measured-link grid shows, in words computed from it."""
     top = cells[WORLDS[-1]]
     pure, longest = top[0], top[-1]
-    winners = {_best(row)[0] for row in cells.values()}
-    fitting = {_best(row)[1] for row in cells.values()}
     return (
-        f"On the measured link the fastest layout at every size is {', '.join(sorted(winners))}: "
-        f"at {WORLDS[-1]} ranks pure data parallelism (pp=1) loses {pure.reduce:.0%} of its "
-        f"step to the all-reduce of the whole model's gradients, which is less than the "
+        f"On the measured link the fastest layout is {_pipelines(cells)} (the rest data "
+        f"parallel): at {WORLDS[-1]} ranks pure data parallelism loses {pure.reduce:.0%} of "
+        f"its step to the all-reduce of the whole model's gradients, against the "
         f"{longest.idle:.0%} a {longest.pp}-stage pipeline leaves idle (its reductions move "
-        f"1/{longest.pp} of the bytes, {longest.reduce:.1%} of its step). Within 1 GiB per "
-        f"rank pure data parallelism does not fit ({pure.memory / 2**30:.1f} GiB), and the "
-        f"fastest layout that fits is {', '.join(sorted(fitting))}: as short a pipeline as "
+        f"1/{longest.pp} of the bytes: {longest.reduce:.1%} of its step). Within 1 GiB per "
+        f"rank, where pure data parallelism does not fit ({pure.memory / 2**30:.1f} GiB per "
+        f"rank), the fastest layout is {_pipelines(cells, BUDGET)}: as short a pipeline as "
         "memory allows, and data parallelism for the rest of the ranks."
     )
 

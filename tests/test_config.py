@@ -45,6 +45,7 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
         ({"tie_weights": ("a.weight",)}, "names fewer than two"),
         ({"dp": 0}, "dp must be >= 1, got 0"),
         ({"reshard_after_forward": True}, "pass fsdp=True as well"),
+        ({"dp": 2, "measure_memory": True}, "measure activation memory with dp=1"),
     ],
 )
 def test_each_section_rejects_bad_values(fields: dict[str, object], message: str) -> None:

@@ -259,6 +259,12 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
         self._check_training()
         self._check_runtime()
         self._check_parallel()
+        if self.measure_memory and (self.dp or 1) > 1:
+            raise ValueError(
+                "measure_memory counts what autograd saves, and with data parallelism that "
+                "includes FSDP2's gathered parameters, which it cannot tell from activations; "
+                "measure activation memory with dp=1 (one replica), then scale out"
+            )
 
     @classmethod
     def from_dict(

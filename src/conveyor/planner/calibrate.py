@@ -182,7 +182,7 @@ def measure_link(
 def measure_allreduce(
     group: dist.ProcessGroup | None = None,
     sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 22, 1 << 24),
-    repeats: int = 10,
+    repeats: int = 20,
 ) -> Link:
     """The link a ring all-reduce sees between two ranks, from timing ``all_reduce`` itself.
 
