@@ -173,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    started = time.perf_counter()
+    started, load = time.perf_counter(), os.getloadavg()
     measured = measure()
     link, reduce_link = measured["link"], measured["reduce_link"]
     checks = [
@@ -198,7 +198,8 @@ def main() -> None:
             "",
             f"Command: `python benchmarks/bench_mesh.py` "
             f"({(time.perf_counter() - started) / 60:.1f} min; two gloo processes measure the "
-            "links, the rest is simulation). The model: bench_scale's GPT block (width 256, "
+            "links, the rest is simulation; load average of the shared machine "
+            f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end). The model: bench_scale's GPT block (width 256, "
             "costs measured here, one thread) repeated 128 times, "
             f"{grad_bytes / 2**20:.0f} MiB of gradients (AdamW: 4 x that in parameters, "
             "gradients and moments). The all-reduce link, fitted to all-reduces timed on two "

@@ -4,12 +4,13 @@ on the same gradients, side by side on 2 processes.
     python benchmarks/bench_reduce.py      # 'reduce' section of docs/benchmarks.md
 
 Two gloo processes (one thread each) train the same GPT (4 blocks of width 256, 3.3 M
-parameters) on their halves of a batch of 8 sequences of 64 tokens, in alternating blocks of
-steps: conveyor with dp=2 (pp=1: one stage, so the step is one forward and one backward, as
-DDP's), and DistributedDataParallel with and without gradient sync (``no_sync``). conveyor's
-reduction is its traced ``reduce 0`` action (the all-reduce after the last backward); DDP's is
-what gradient sync adds to its backward (DDP overlaps its bucketed all-reduces with the
-backward, so this is what it costs the step).
+parameters) on their halves of a batch of 8 sequences of 64 tokens, four kinds of step
+taking turns: conveyor with dp=2 (pp=1: one stage, so the step is one forward and one backward, as
+DDP's) and with one replica per process (dp=1, nothing reduced), and DistributedDataParallel
+with and without gradient sync (``no_sync``). What data parallelism costs each is the
+difference between its step with and without the reduction (DDP overlaps its bucketed
+all-reduces with the backward; conveyor reduces after the stage's last backward). conveyor's
+traced ``reduce 0`` action, the reduction itself, is shown too.
 """
 
 from __future__ import annotations
@@ -78,24 +79,28 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         pipe = conveyor.Pipeline(
             copy.deepcopy(model), dp=2, num_microbatches=1, loss_fn=gpt_loss, trace=True
         )
+        alone = conveyor.Pipeline(
+            copy.deepcopy(model), group=dist.new_group([rank]), num_microbatches=1,
+            loss_fn=gpt_loss, trace=True,
+        )  # fmt: skip
         ddp = DistributedDataParallel(copy.deepcopy(model))
         x, y = text_batches(8, 64, 1)[0]
         x, y = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
-        samples: dict[str, list[float]] = {"step": [], "reduce": [], "sync": [], "nosync": []}
-        for round_ in range(args.rounds + 1):  # round 0 warms up
-            block: dict[str, list[float]] = {k: [] for k in samples}
-            for _ in range(args.steps):
-                dist.barrier()
-                step, reduce = _conveyor_step(pipe, x, y)
-                block["step"].append(step)
-                block["reduce"].append(reduce)
+        samples: dict[str, list[float]] = {
+            "step": [], "reduce": [], "alone": [], "sync": [], "nosync": [],
+        }  # fmt: skip
+        for index in range(args.steps + 2):  # the first two warm up
+            # the four kinds of step take turns, so a busy spell of the machine hits all alike
+            dist.barrier()
+            step, reduce = _conveyor_step(pipe, x, y)
+            dist.barrier()
+            times = {"step": step, "reduce": reduce, "alone": _conveyor_step(alone, x, y)[0]}
             for sync in (True, False):
-                for _ in range(args.steps):
-                    dist.barrier()
-                    block["sync" if sync else "nosync"].append(_ddp_step(ddp, x, y, sync))
-            if round_:
-                for key, values in block.items():
-                    samples[key] += values
+                dist.barrier()
+                times["sync" if sync else "nosync"] = _ddp_step(ddp, x, y, sync)
+            if index >= 2:
+                for key, value in times.items():
+                    samples[key].append(value)
         if rank == 0:
             torch.save(samples, out)
     finally:
@@ -104,26 +109,29 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    started = time.perf_counter()
+    started, load = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "samples.pt")
         mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
         samples: dict[str, Any] = torch.load(out)
     median = {k: statistics.median(v) for k, v in samples.items()}
-    ddp_reduce = median["sync"] - median["nosync"]
-    ratio = median["reduce"] / ddp_reduce if ddp_reduce > 0 else float("inf")
+    added = median["step"] - median["alone"]
+    ddp_added = median["sync"] - median["nosync"]
+
+    def row(name: str, mine: float, theirs: float) -> str:
+        return f"| {name} | {mine * 1e3:.1f} ms | {theirs * 1e3:.1f} ms | {mine / theirs:.2f} |"
+
     rows = [
-        "| | conveyor (dp=2, pp=1) | torch DDP | conveyor / DDP |",
+        "| | conveyor | torch DDP | conveyor / DDP |",
         "|---|---|---|---|",
-        f"| step (forward + backward + reduction) | {median['step'] * 1e3:.1f} ms | "
-        f"{median['sync'] * 1e3:.1f} ms | {median['step'] / median['sync']:.2f} |",
-        f"| gradient reduction (what it adds to the step) | {median['reduce'] * 1e3:.1f} ms | "
-        f"{ddp_reduce * 1e3:.1f} ms | {ratio:.2f} |",
-        f"| step without reduction (DDP no_sync) | | {median['nosync'] * 1e3:.1f} ms | |",
+        row("step with gradient sync (dp=2; DDP)", median["step"], median["sync"]),
+        row("step without (dp=1; DDP no_sync)", median["alone"], median["nosync"]),
+        row("what data parallelism adds to the step", added, ddp_added),
+        f"| conveyor's reduction action (traced `reduce 0`) | {median['reduce'] * 1e3:.1f} ms "
+        "| | |",
     ]
     markdown = "\n".join(
         [
@@ -132,8 +140,10 @@ def main() -> None:
             f"Command: `python benchmarks/bench_reduce.py` "
             f"({(time.perf_counter() - started) / 60:.1f} min; {platform.machine()}, "
             f"{os.cpu_count()} CPU cores, 2 gloo processes, 1 thread each). "
-            f"{len(samples['step'])} steps of each, in {args.rounds} alternating blocks; "
-            "medians. Same model, same halves of the batch, same 13 MiB of gradients.",
+            f"{len(samples['step'])} steps of each, taking turns step by step; medians. Same "
+            "model, same halves of the batch, same 13 MiB of gradients. Load average of the "
+            f"(shared) machine during the run: {load[0]:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end.",
             "",
             *rows,
         ]
