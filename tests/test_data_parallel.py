@@ -95,6 +95,7 @@ def _equivalence(rank: int, world_size: int) -> None:
                 model,
                 dp=2,
                 fsdp=fsdp,
+                reshard_after_forward=fsdp and schedule in ("zb-h1", "interleaved-1f1b"),
                 schedule=schedule,
                 num_microbatches=m,
                 loss_fn=F.mse_loss,

@@ -3,6 +3,8 @@ message; the rank -> (replica, stage) layout."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,19 @@ def _errors_and_layout(rank: int, world_size: int) -> None:
 @pytest.mark.dist
 def test_bad_meshes_fail_before_any_message_and_the_layout_is_told(tmp_path: Path) -> None:
     run_ranks(_errors_and_layout, tmp_path, 2, timeout_s=120)
+
+
+def _lost_replica(rank: int, world_size: int) -> None:
+    pipe = conveyor.Pipeline(model(), dp=2, loss_fn=F.mse_loss, timeout_s=5)  # pp = 1
+    if rank == 1:
+        os._exit(0)  # the replica dies before the step
+    started = time.monotonic()
+    x = torch.randn(4, 4)
+    with pytest.raises(conveyor.PeerLostError, match=r"rank 0: lost a replica .* ranks \[1\]"):
+        pipe.step(x, x)
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.dist
+def test_a_lost_replica_is_named_within_the_timeout(tmp_path: Path) -> None:
+    run_ranks(_lost_replica, tmp_path, 2, timeout_s=120)

@@ -175,6 +175,8 @@ class Pipeline:
         if mesh.tp_mesh is not None and tp_plan:
             parallelize_stages(self.stages, mesh.tp_mesh, tp_plan)
         if mesh.dp_mesh is None or mesh.num_replicas == 1:
+            if config.fsdp:
+                logger.warning("fsdp=True has nothing to shard over with one replica; ignored")
             return None
         return DataParallel(
             self.stages,
@@ -463,7 +465,8 @@ def _mesh(
         check_plan(tp_plan, _module_names(model))
     if group is not None:
         return None
-    return pipeline_mesh(mesh, config.dp, config.pp, config.tp, dist.get_world_size())
+    timeout = timedelta(seconds=config.timeout_s)
+    return pipeline_mesh(mesh, config.dp, config.pp, config.tp, dist.get_world_size(), timeout)
 
 
 def _module_names(model: nn.Module | StageGraph) -> list[str]:

@@ -7,6 +7,7 @@ back to a public API where one exists.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "backend_options",
     "default_store",
     "flatten_state_dict",
     "fsdp_reduce_gradients",
@@ -123,3 +125,16 @@ def fsdp_reduce_gradients(module: nn.Module) -> None:
         for param_group in each._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def backend_options(backend: str, timeout: timedelta) -> Any:
+    """Options for the groups ``init_device_mesh`` creates (its ``backend_override``) that
+    make their collectives give up after ``timeout``, so a rank whose replica died fails in
+    bounded time instead of the default 30 minutes. The timeout is the options' ``_timeout``
+    (``init_device_mesh`` reads it there itself); gloo's options class is ``_Options``.
+    Replace once ``init_device_mesh`` takes a timeout."""
+    group_class: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+    options = getattr(group_class, "_Options", None) or group_class.Options
+    made = options()
+    made._timeout = timeout
+    return made

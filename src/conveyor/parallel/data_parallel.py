@@ -9,7 +9,8 @@ FSDP2, their gradients reduced once per step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from conveyor.runtime.comm import PeerLostError
 from conveyor.torch_compat import fsdp_reduce_gradients, replicate
 
 __all__ = ["DataParallel", "local"]
@@ -88,8 +90,13 @@ class DataParallel:
         self._before = [None if p.grad is None else p.grad.clone() for p in self.shared]
 
     def stage_done(self, stage: int) -> None:
-        """The stage's gradients are complete for this step: reduce them over the replicas."""
-        fsdp_reduce_gradients(self.stages[stage])
+        """The stage's gradients are complete for this step: reduce them over the replicas.
+
+        Raises:
+            PeerLostError: a replica did not join the reduction in time, naming them all.
+        """
+        with self._naming_lost(f"reducing stage {stage}'s gradients"):
+            fsdp_reduce_gradients(self.stages[stage])
 
     def end_step(self) -> None:
         """Reduce what this step added to the gradients of the shared parameters."""
@@ -97,9 +104,24 @@ class DataParallel:
             if param.grad is None:
                 continue
             added = param.grad if old is None else param.grad - old
-            dist.all_reduce(added, group=self.group)
+            with self._naming_lost("reducing shared parameters' gradients"):
+                dist.all_reduce(added, group=self.group)
             added /= self._divisor
             param.grad = added if old is None else old + added
+
+    @contextmanager
+    def _naming_lost(self, doing: str) -> Iterator[None]:
+        """Turn the backend's timeout or lost connection into an error naming the replicas."""
+        try:
+            yield
+        except RuntimeError as error:
+            ranks = dist.get_process_group_ranks(self.group)
+            others = [r for r in ranks if r != dist.get_rank()]
+            raise PeerLostError(
+                f"rank {dist.get_rank()}: lost a replica while {doing}: the replicas on "
+                f"ranks {others} did not take part ({error}). One of them has likely crashed "
+                "or been killed; check their logs."
+            ) from error
 
     def reshard(self) -> None:
         """Free gathered parameters (after inference, which has no backward to do it)."""

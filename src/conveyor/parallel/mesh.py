@@ -9,10 +9,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from conveyor.torch_compat import backend_options
 
 __all__ = ["MESH_DIMS", "MeshShape", "PipelineMesh", "mesh_shape", "pipeline_mesh"]
 
@@ -156,9 +159,11 @@ def pipeline_mesh(
     pp: int | None,
     tp: int | None,
     world_size: int,
+    timeout: timedelta,
 ) -> PipelineMesh | None:
     """The mesh a Pipeline runs on: ``mesh`` itself (checked against the sizes given), one
-    built from the sizes (collective), or None when no size or mesh asks for one.
+    built from the sizes (collective; its collectives give up after ``timeout``), or None
+    when no size or mesh asks for one.
 
     Every check happens before any communication.
 
@@ -179,15 +184,21 @@ def pipeline_mesh(
     shape = mesh_shape(world_size, dp, pp, tp)
     if shape.dp == shape.tp == 1:
         return None  # one pipeline over the world, as without a mesh
+    device, backend = _device_and_backend()
+    options = (backend, backend_options(backend, timeout))
     built = init_device_mesh(
-        _device_type(), (shape.pp, shape.dp, shape.tp), mesh_dim_names=MESH_DIMS
+        device,
+        (shape.pp, shape.dp, shape.tp),
+        mesh_dim_names=MESH_DIMS,
+        backend_override=dict.fromkeys(MESH_DIMS, options),
     )
     return PipelineMesh(built)
 
 
-def _device_type() -> str:
-    """'cpu' for gloo; else this process's accelerator (one device per rank)."""
+def _device_and_backend() -> tuple[str, str]:
+    """('cpu', 'gloo') for gloo; else this process's accelerator and the world's backend."""
     accelerator = torch.accelerator.current_accelerator()
-    if dist.get_backend() == "gloo" or accelerator is None:
-        return "cpu"
-    return accelerator.type
+    backend = str(dist.get_backend())
+    if backend == "gloo" or accelerator is None:
+        return "cpu", "gloo"
+    return accelerator.type, backend
