@@ -451,8 +451,12 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
     num_ranks = int(meta.get("ranks", 1 + max(k[2] for k in per_row)))
     replicas, tp = int(meta.get("replicas", 1)), int(meta.get("tp", 1))
     rows = [(r, t, p) for r in range(replicas) for t in range(tp) for p in range(num_ranks)]
-    missing = [trace_file_name(p, r if len(rows) > num_ranks else None, t) for r, t, p in rows]
-    missing = [name for key, name in zip(rows, missing, strict=True) if key not in per_row]
+    is_mesh = len(rows) > num_ranks
+    missing = [
+        trace_file_name(p, r if is_mesh else None, t)
+        for r, t, p in rows
+        if (r, t, p) not in per_row
+    ]
     if missing:
         raise ValueError(
             f"{str(directory)!r} lacks the trace files {missing[:4]} of a run of "
@@ -471,7 +475,7 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
         Timeline(len(rows), [Event(row, a, s, e, b, m) for a, s, e, b, m in per_row[key][chosen]])
         for row, key in enumerate(rows)
     ]
-    if len(rows) > num_ranks:
+    if is_mesh:
         meta["row_labels"] = [
             f"replica {r}{f' tp {t}' if tp > 1 else ''} rank {p}" for r, t, p in rows
         ]
