@@ -169,3 +169,35 @@ def test_stage_graph_inputs_bind_by_name_or_position() -> None:
     assert bind_inputs(graph, {"y": y, "x": x}) == {"x": x, "y": y}
     with pytest.raises(ValueError, match=r"takes model inputs \['x', 'y'\]"):
         bind_inputs(graph, x)
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # a branch on a tensor's value: neither fx nor export traces it
+            return self.linear(x)
+        return x
+
+
+def test_a_model_neither_tracer_can_trace_is_named_with_its_module_and_line() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Gate(), nn.Linear(4, 4))
+    wrapped = nn.ModuleDict({"body": model})
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = wrapped
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.inner["body"](x)
+            return out
+
+    with pytest.raises(TypeError) as error:
+        auto_split(Outer(), 2, example_inputs=torch.ones(2, 4), tracer="export")
+    message = str(error.value)
+    assert "in module 'inner.body.1' (_Gate)" in message
+    assert "if x.sum() > 0" in message and "tracer='fx'" in message
+    assert "<name>" not in message

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from conveyor.runtime.loss import LossReduction
 from conveyor.runtime.recompute import RECOMPUTE_MODES, RecomputeMode
 
 __all__ = [
@@ -76,6 +77,11 @@ class SplitConfig:
     leaf_modules: tuple[str, ...] = ()
     """Submodules auto_split keeps whole and never traces: qualified names ('encoder.3') or
     class names ('Block'), e.g. for code torch.fx cannot trace."""
+    tracer: Literal["auto", "fx", "export"] = "auto"
+    """How the model is traced to split it: 'fx' (torch.fx; modules without a cut stay whole),
+    'export' (torch.export on example_inputs: decorated forwards, masks built from inputs,
+    Hugging Face models), or 'auto': fx, and export when fx cannot trace the model and
+    example_inputs are given (logged)."""
     placement: tuple[int, ...] | None = None
     """Rank of each stage; default: stage i on rank i, or placement_style with more stages
     than ranks (virtual stages)."""
@@ -155,9 +161,12 @@ class TrainingConfig:
     stage_checkpoint: tuple[RecomputeMode, ...] | None = None
     """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
     (conveyor.planner) writes it."""
-    loss_reduction: Literal["mean", "sum"] = "mean"
+    loss_reduction: LossReduction = "mean"
     """'mean': the loss is a per-sample mean, so micro-batch losses are weighted by their share
-    of the batch and the step's loss equals the full batch's. 'sum': they are added."""
+    of the batch and the step's loss equals the full batch's. 'token_mean': the loss is a mean
+    over the targets not equal to -100 (a token-level loss with padding), so micro-batches are
+    weighted by their share of the step's counted targets. 'sum': losses are added. A model's
+    own loss (no loss_fn) is weighted by what it averages over: its counted labels."""
     seed: int = 0
     """Seed of the per-micro-batch random streams (dropout); See Note [micro-batch randomness]."""
     deferred_batch_norm: bool = False
@@ -178,8 +187,11 @@ class TrainingConfig:
                     f"stage_checkpoint has modes {wrong}; each must be one of "
                     f"{list(RECOMPUTE_MODES)}"
                 )
-        if self.loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.loss_reduction not in get_args(LossReduction):
+            raise ValueError(
+                f"loss_reduction must be one of {list(get_args(LossReduction))}, got "
+                f"{self.loss_reduction!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

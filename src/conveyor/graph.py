@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -54,6 +54,9 @@ class StageGraph:
     stages: tuple[Stage, ...]
     model_inputs: tuple[str, ...] = ("input",)
     """Values every rank takes from its own copy of the micro-batch (never sent)."""
+    binder: Callable[[Any], dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+    """A batch as ``model_inputs`` by name, as the split's tracer laid them out (see
+    ``conveyor.split.bind_inputs``); None: by position or name, every one given."""
 
     def __post_init__(self) -> None:
         produced: dict[str, int] = {}

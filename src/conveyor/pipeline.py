@@ -8,16 +8,19 @@ import os
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from conveyor.config import PipelineConfig, resolve
+from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
+from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
 from conveyor.parallel import (
     DataParallel,
     PipelineMesh,
@@ -31,8 +34,9 @@ from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
+from conveyor.runtime.loss import counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.tied import TiedWeights, find_ties
+from conveyor.runtime.tied import Tie, TiedWeights, find_ties
 from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
 from conveyor.simulator import simulate
 from conveyor.split import (
@@ -43,8 +47,11 @@ from conveyor.split import (
     split_model,
 )
 from conveyor.split.auto import auto_split
+from conveyor.split.export import place_on
+from conveyor.split.stages import EXPORTED
 from conveyor.trace import REDUCE, Recorder, Timeline, merge, trace_file_name
 from conveyor.training import clip_grad_norm_, share_loss
+from conveyor.weights import WeightFiles, materialize, save_stage_files, write_index
 
 __all__ = ["Pipeline"]
 
@@ -78,6 +85,7 @@ class Pipeline:
         example_inputs: Any = None,
         mesh: DeviceMesh | None = None,
         tp_plan: TPPlan | None = None,
+        weights: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -133,10 +141,8 @@ class Pipeline:
         )
         self._inference = build_program(forward_only, self.topology, config.num_microbatches)
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
-        self.stages = {
-            s: _materialize(self.graph.stages[s].module, self.device)
-            for s in self.graph.stages_on(self.rank)
-        }
+        self.stages = self._materialize(ties, weights)
+        self._tied_names = ties
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, group)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
@@ -149,7 +155,7 @@ class Pipeline:
             self.rank,
             p2p,
             self.device,
-            loss_fn,
+            loss_fn or model_loss,
             config.stage_checkpoint or config.checkpoint,
             config.seed,
             config.measure_memory,
@@ -195,6 +201,66 @@ class Pipeline:
         if recorder is not None:
             recorder.add(f"{REDUCE} {stage}", start, recorder.now())
 
+    def _materialize(
+        self, ties: list[Tie], weights: str | os.PathLike[str] | None
+    ) -> dict[int, nn.Module]:
+        """This rank's stages on its device: meta tensors allocated and read from ``weights``
+        or initialized by the model's own modules (conveyor.weights)."""
+        model = self._model if isinstance(self._model, nn.Module) else None
+        files = WeightFiles(weights) if weights is not None else None
+        aliases = {name: [n for _, n in tie.users if n != name] for tie in ties
+                   for _, name in tie.users}  # fmt: skip
+        stages = {}
+        for s in self.graph.stages_on(self.rank):
+            module = self.graph.stages[s].module
+            assert module is not None
+            if isinstance(module, fx.GraphModule) and module.meta.get(EXPORTED):
+                place_on(module, self.device)
+            stages[s] = materialize(
+                module,
+                self.device,
+                initialize=initializer(model) if model is not None else initializer(module),
+                owners=model,
+                files=files,
+                aliases=aliases,
+            )
+        return stages
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the whole model's weights to ``directory`` (collective): each rank writes its
+        stages' tensors as one safetensors shard, under the model's own names (a tied weight
+        once), and rank 0 the index and, for a transformers model, its config, so that
+        ``from_pretrained(directory)`` (or ``load_file`` + ``load_state_dict``) reads it."""
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        shard = save_stage_files(self._own_tensors(), target, self.rank, self.num_ranks)
+        shards: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(shards, shard, group=self.group)
+        if self.rank == 0:
+            config = getattr(self._model, "config", None)
+            if config is not None and hasattr(config, "to_json_string"):
+                write_atomic(target / "config.json", config.to_json_string())
+            write_index(target, shards)
+        dist.barrier(group=self.group)
+        return target
+
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's state_dict without the names of tied weights another rank writes, or
+        that are another name of a tensor this rank writes."""
+        state: dict[str, torch.Tensor] = {}
+        written: set[tuple[int, tuple[int, ...]]] = set()
+        for name, tensor in self.state_dict().items():
+            where = (tensor.data_ptr(), tuple(tensor.shape))
+            if where not in written:  # one tensor under two names in one stage: once
+                written.add(where)
+                state[name] = tensor
+        for tie in self._tied_names:
+            for _, name in tie.users[1:]:
+                state.pop(name, None)
+            if self.graph.rank_of(tie.users[0][0]) != self.rank:
+                state.pop(tie.name, None)
+        return state
+
     # -- running ---------------------------------------------------------------------------
 
     def step(self, inputs: Any, targets: Any = None) -> torch.Tensor | None:
@@ -209,14 +275,7 @@ class Pipeline:
         recorder = self.recorder
         if recorder is not None:
             recorder.begin_step(self.step_index)
-        if self.loss_fn is None or targets is None:
-            raise ValueError(
-                f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
-                f"and targets to step() (loss_fn is "
-                f"{'set' if self.loss_fn else 'None'}, targets is "
-                f"{'set' if targets is not None else 'None'}); use forward() "
-                "for inference"
-            )
+        self._check_loss(targets)
         before = self.ties.gradients()
         if self.data_parallel is not None:
             self.data_parallel.begin_step()
@@ -231,6 +290,26 @@ class Pipeline:
         if state.losses:
             loss = torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
         return share_loss(self, loss) if self.config.broadcast_loss else loss
+
+    def _check_loss(self, targets: Any) -> None:
+        """A loss_fn with targets, or no loss_fn and labels for the model's own loss."""
+        model = self._model
+        own = self.loss_fn is None and targets is None and isinstance(model, nn.Module)
+        if (self.loss_fn is None or targets is None) and not own:
+            raise ValueError(
+                f"step() trains, which needs a loss: pass loss_fn=... to Pipeline "
+                f"and targets to step() (loss_fn is "
+                f"{'set' if self.loss_fn else 'None'}, targets is "
+                f"{'set' if targets is not None else 'None'}), or, without loss_fn, labels in "
+                "the batch of a model that computes its own loss (a Hugging Face model); use "
+                "forward() for inference"
+            )
+        if own and isinstance(model, nn.Module) and not takes_labels(model):
+            raise ValueError(
+                f"step() trains, which needs a loss: {type(model).__name__} takes no labels, "
+                "so it computes no loss of its own; pass loss_fn=... to Pipeline and targets "
+                "to step()"
+            )
 
     def forward(self, inputs: Any) -> Any:
         """Inference: the model's output for ``inputs`` on the last stage's rank, else None."""
@@ -302,17 +381,17 @@ class Pipeline:
 
     def _inputs(self, inputs: Any, targets: Any, is_training: bool) -> StepInputs:
         m = self.config.num_microbatches
-        bound = bind_inputs(self._model, inputs)
+        bound = bind_inputs(self.graph, inputs)
         size = microbatch.batch_size(bound)
         chunks = microbatch.split(bound, m, size)
-        if size is None:
-            weights = [1.0] * m
-        else:
-            counts = [microbatch.batch_size(c) or 0 for c in chunks]
-            weights = (
-                [c / size for c in counts] if self.config.loss_reduction == "mean" else [1.0] * m
-            )
         split_targets = None if targets is None else microbatch.split(targets, m, size)
+        if is_training and self.loss_fn is None and bound.get(LABELS) is None:
+            raise ValueError(
+                f"the batch has no {LABELS!r}: without loss_fn, the model computes its own loss "
+                f"and needs its labels; pass them in the batch, e.g. {{'input_ids': ids, "
+                f"'{LABELS}': ids}}"
+            )
+        weights = self._loss_weights(chunks, split_targets) if size else [1.0] * m
         return StepInputs(
             chunks,
             [_signature(c) for c in chunks],
@@ -322,6 +401,18 @@ class Pipeline:
             is_training,
             first_microbatch=self.replica * m,
         )
+
+    def _loss_weights(self, chunks: list[dict[str, Any]], targets: list[Any] | None) -> list[float]:
+        """Each micro-batch's weight in the step's loss (conveyor.runtime.loss): by what its
+        loss averages over."""
+        reduction = self.config.loss_reduction
+        own_loss = self.loss_fn is None and chunks and chunks[0].get(LABELS) is not None
+        if own_loss and isinstance(self._model, nn.Module):  # the model's own loss
+            counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks])
+            return loss_weights("sum" if reduction == "sum" else "mean", counts)
+        if reduction == "token_mean" and targets is not None:
+            return loss_weights(reduction, [counted_tokens(t) for t in targets])
+        return loss_weights(reduction, [microbatch.batch_size(c) or 0 for c in chunks])
 
     # -- the mesh ---------------------------------------------------------------------------
 
@@ -498,21 +589,26 @@ def _split(
                 "graph from conveyor.split, or the model itself"
             )
         return (), model
+    traced = {"example_inputs": example_inputs, "tracer": config.tracer}
     if config.stage_modules is not None:
-        return (), split_by_modules(model, config.stage_modules, config.placement, concrete_args)
+        graph = split_by_modules(
+            model, config.stage_modules, config.placement, concrete_args, **traced
+        )
+        return (), graph
     if config.auto_split:
         num_stages = len(config.placement) if config.placement is not None else num_ranks
         return (), auto_split(
             model,
             num_stages,
-            example_inputs=example_inputs,
             num_microbatches=config.num_microbatches,
             placement=config.placement,
             concrete_args=concrete_args,
             leaf_modules=config.leaf_modules,
+            **traced,
         )
     split_points = _split_points(model, config, num_ranks)
-    return split_points, split_model(model, split_points, config.placement, concrete_args)
+    graph = split_model(model, split_points, config.placement, concrete_args, **traced)
+    return split_points, graph
 
 
 def _with_layout(config: PipelineConfig, num_ranks: int) -> PipelineConfig:
@@ -555,30 +651,6 @@ def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> t
         else:
             split_points = ()
     return tuple(split_points)
-
-
-def _materialize(module: nn.Module | None, device: torch.device) -> nn.Module:
-    """Move a stage to ``device``; a stage on the meta device is allocated and initialized
-    there with each submodule's ``reset_parameters`` (load a state_dict for other values)."""
-    assert module is not None
-    tensors = list(module.parameters()) + list(module.buffers())
-    if not any(t.is_meta for t in tensors):
-        return module.to(device)
-    module.to_empty(device=device)
-    uninitialized = []
-    for name, sub in module.named_modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-        elif any(True for _ in sub.parameters(recurse=False)):
-            uninitialized.append(name)
-    if uninitialized:
-        logger.warning(
-            "modules %s have no reset_parameters(); their parameters are "
-            "uninitialized until you call Pipeline.load_state_dict",
-            uninitialized,
-        )
-    return module
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:

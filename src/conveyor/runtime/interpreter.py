@@ -174,11 +174,10 @@ class Runtime:
         if not step.is_training:
             self._state.model_outputs[k] = output
             return
-        if self.loss_fn is None or step.targets is None:
-            raise ValueError(
-                "training needs a loss: pass loss_fn to the Pipeline and targets to step()"
-            )
-        self._state.losses[k] = self.loss_fn(output, step.targets[k]) * step.loss_weights[k]
+        if self.loss_fn is None:
+            raise ValueError("training needs a loss: pass loss_fn to the Pipeline")
+        target = None if step.targets is None else step.targets[k]
+        self._state.losses[k] = self.loss_fn(output, target) * step.loss_weights[k]
 
     def _input(self, s: int, k: int, name: str, received: dict[int, Any]) -> Any:
         """One input value of stage ``s``: from the micro-batch, a local stage, or a peer."""

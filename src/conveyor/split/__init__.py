@@ -10,12 +10,14 @@ qualified names. A value used by a later stage becomes an edge to it, however fa
 connections go straight from producer to consumer (``relay_skips=True`` instead passes them
 through every stage in between, as chain-only pipelines must).
 
-Modules: ``points`` (split points), ``modules`` (stage modules), ``auto`` (automatic cut) and
-``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential), ``inputs``; the
-internal ``tracing`` and ``stages`` are what they share.
+Modules: ``frontend`` (one tracer for every method: torch.fx, or torch.export for what fx
+cannot trace, ``export``), ``points`` (split points), ``modules`` (stage modules), ``auto``
+(automatic cut) and ``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential),
+``inputs``; the internal ``tracing`` (fx) and ``stages`` are what they share.
 """
 
 from conveyor.split.auto import auto_split
+from conveyor.split.frontend import Traced, Tracer, trace
 from conveyor.split.inputs import bind_inputs, run_stages
 from conveyor.split.modules import StageAnnotation, split_by_modules
 from conveyor.split.points import balance_to_split_points, even_balance, split_model
@@ -24,6 +26,8 @@ from conveyor.split.stages import build_stage_graph
 
 __all__ = [
     "StageAnnotation",
+    "Traced",
+    "Tracer",
     "auto_split",
     "balance_to_split_points",
     "bind_inputs",
@@ -35,5 +39,6 @@ __all__ = [
     "split_by_modules",
     "split_model",
     "stash",
+    "trace",
     "verify_skips",
 ]

@@ -10,7 +10,7 @@ that data and the chosen cut back into stages (``conveyor.split.build_stage_grap
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,9 +19,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.graph import StageGraph
 from conveyor.split.cut import DataflowGraph, best_cut
-from conveyor.split.inputs import bind_inputs
+from conveyor.split.frontend import NO_MODULE, Traced, Tracer, trace
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS, HOW_TO_ANNOTATE, trace_graph
+from conveyor.split.tracing import COMPUTE_OPS, HOW_TO_ANNOTATE
 from conveyor.torch_compat import pytree
 
 __all__ = ["DEFAULT_BYTE_COST", "auto_split", "node_costs"]
@@ -46,6 +46,7 @@ def auto_split(
     byte_cost: float | None = None,
     keep_shared: bool = False,
     relay_skips: bool = False,
+    tracer: Tracer = "auto",
 ) -> StageGraph:
     """Trace ``model`` and cut it into ``num_stages`` stages for the shortest pipeline step.
 
@@ -62,7 +63,9 @@ def auto_split(
     in several stages, which the Pipeline keeps identical (conveyor.runtime.tied); ``keep_shared``
     keeps all its users in one stage instead.
 
-    ``leaf_modules`` (qualified names, class names or classes) are kept whole, never traced.
+    ``leaf_modules`` (qualified names, class names or classes) are kept whole: never traced by
+    torch.fx, never cut inside when the model is split through torch.export (which it is when
+    torch.fx cannot trace it and example inputs are given; see conveyor.split.frontend).
 
     Raises:
         TypeError: the model cannot be traced; the message names the operation and says how
@@ -79,24 +82,26 @@ def auto_split(
             return True
         return default.is_leaf_module(m, name)
 
-    graph = trace_graph(
+    traced = trace(
         model,
-        (),
-        concrete_args,
         leaf=is_leaf,
+        concrete_args=concrete_args,
+        example_inputs=example_inputs,
+        tracer=tracer,
         hint=(
             "Keep the module that holds it whole with auto_split(..., leaf_modules=['<name>']) "
             "(it is then never traced), or pass concrete_args for inputs that steer control "
             f"flow. {HOW_TO_ANNOTATE}"
         ),
     )
+    graph = traced.graph
     nodes = [n for n in graph.nodes if n.op in COMPUTE_OPS]
     if len(nodes) < num_stages:
         raise ValueError(
             f"{type(model).__name__} traces to {len(nodes)} operations, too few "
             f"for {num_stages} stages; ask for fewer stages"
         )
-    weights, sizes = node_costs(model, graph, example_inputs, costs)
+    weights, sizes = node_costs(traced, example_inputs, costs)
     index = {n: i for i, n in enumerate(nodes)}
     dataflow = DataflowGraph(
         costs=[weights[n] for n in nodes],
@@ -105,8 +110,8 @@ def auto_split(
         byte_cost=(DEFAULT_BYTE_COST if example_inputs is not None else 0.0)
         if byte_cost is None
         else byte_cost,
-        units=_units(nodes, weights, num_stages),
-        together=_shared_users(model, index) if keep_shared else (),
+        units=_units(nodes, weights, num_stages, _whole(model, is_leaf)),
+        together=_shared_users(traced.root, index) if keep_shared else (),
     )
     plan = best_cut(dataflow, num_stages, num_microbatches)
     logger.info(
@@ -128,27 +133,26 @@ def auto_split(
             f"placement {placement} has {len(placement)} entries for "
             f"{num_stages} stages; give one rank per stage"
         )
-    return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
+    return build_stage_graph(traced, assignment, placement, relay_skips=relay_skips)
 
 
 def node_costs(
-    model: nn.Module,
-    graph: fx.Graph,
+    traced: Traced,
     example_inputs: Any = None,
     costs: Mapping[str, float] | None = None,
 ) -> tuple[dict[fx.Node, float], dict[fx.Node, float]]:
-    """Forward cost and output bytes of each computing node of ``model``'s traced ``graph``.
+    """Forward cost and output bytes of each computing node of a traced model.
 
     With ``example_inputs``: FLOPs (torch.utils.flop_counter) plus elements produced, and
     bytes produced. Without: parameters used plus one, and one per output. ``costs`` maps node
     names or module qualified names to costs; a module's cost is spread over its nodes in
     proportion to their estimates, and nodes it does not cover cost nothing.
     """
-    nodes = [n for n in graph.nodes if n.op in COMPUTE_OPS]
+    nodes = [n for n in traced.graph.nodes if n.op in COMPUTE_OPS]
     if example_inputs is not None:
-        weights, sizes = _measure(model, graph, example_inputs)
+        weights, sizes = _measure(traced, example_inputs)
     else:
-        weights = {n: 1.0 + _parameters_used(model, n) for n in nodes}
+        weights = {n: 1.0 + _parameters_used(traced.root, n) for n in nodes}
         sizes = {n: 1.0 for n in nodes}
     if costs is not None:
         weights = _given_costs(nodes, weights, costs)
@@ -156,13 +160,14 @@ def node_costs(
 
 
 def _measure(
-    model: nn.Module, graph: fx.Graph, example_inputs: Any
+    traced: Traced, example_inputs: Any
 ) -> tuple[dict[fx.Node, float], dict[fx.Node, float]]:
     """Run the traced graph once on ``example_inputs``, counting FLOPs and bytes per node."""
-    module = fx.GraphModule(model, graph)
-    bound = bind_inputs(model, example_inputs)
+    graph = traced.graph
+    module = fx.GraphModule(traced.root, graph)
+    bound = traced.binder(example_inputs)
     placeholders = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
-    is_meta = any(p.is_meta for p in model.parameters())
+    is_meta = any(p.is_meta for p in traced.root.parameters())
     args = [bound.get(name) for name in placeholders]
     if is_meta:
         args = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args)
@@ -187,8 +192,11 @@ def _measure(
             sizes[n] = float(sum(t.numel() * t.element_size() for t in tensors))
             return result
 
+    buffers = {name: b.clone() for name, b in traced.root.named_buffers() if not b.is_meta}
     with torch.no_grad():
         _Counting(module).run(*args)
+        for name, value in buffers.items():  # measuring must not move batch norm statistics
+            traced.root.get_buffer(name).copy_(value)
     return weights, sizes
 
 
@@ -241,19 +249,47 @@ def _given_costs(
     return weights
 
 
-def _units(nodes: list[fx.Node], weights: dict[fx.Node, float], num_stages: int) -> list[Hashable]:
-    """Unit of each node: the outermost module call around it that costs no more than a
-    stage should (total / stages); cuts fall between units only."""
+def _units(
+    nodes: list[fx.Node],
+    weights: dict[fx.Node, float],
+    num_stages: int,
+    whole: Callable[[str], bool],
+) -> list[Hashable]:
+    """Unit of each node: the outermost module call around it that is kept ``whole`` or costs
+    no more than a stage should (total / stages); cuts fall between units only."""
     module_cost: dict[str, float] = {}
     for node in nodes:
-        for key in node.meta.get("nn_module_stack", {}):
+        for key in _stack(node):
             module_cost[key] = module_cost.get(key, 0.0) + weights[node]
     limit = sum(weights.values()) / num_stages
     units: list[Hashable] = []
     for node in nodes:
-        keys = [k for k in node.meta.get("nn_module_stack", {}) if module_cost[k] <= limit]
+        stack = _stack(node)
+        keys = [k for k, path in stack.items() if whole(path) or module_cost[k] <= limit]
         units.append(keys[0] if keys else node.name)
     return units
+
+
+def _stack(node: fx.Node) -> dict[str, str]:
+    """The modules a node runs in, outermost first: their stack keys and qualified names."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return {key: path for key, (path, _) in stack.items() if path and path != NO_MODULE}
+
+
+def _whole(model: nn.Module, is_leaf: Callable[[nn.Module, str], bool]) -> Callable[[str], bool]:
+    """Whether the submodule at a path is a leaf module (kept whole)."""
+    known = dict(model.named_modules())
+
+    def whole(path: str) -> bool:
+        module = known.get(path)
+        return module is not None and is_leaf(module, path) and not _is_torch_leaf(module)
+
+    return whole
+
+
+def _is_torch_leaf(module: nn.Module) -> bool:
+    """torch.nn's own modules (Linear, LayerNorm): leaves for fx, but one op each anyway."""
+    return type(module).__module__.startswith("torch.nn")
 
 
 def _shared_users(model: nn.Module, index: dict[fx.Node, int]) -> list[list[int]]:

@@ -43,8 +43,11 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
     """Map a batch to the model's forward parameters: a tensor (the first argument), a tuple or
     list (positional arguments) or a dict (keyword arguments). Defaults fill the rest.
 
-    For a StageGraph, the names are its ``model_inputs`` and every one must be given.
+    For a StageGraph, its own binder (the split's) if it has one; else the names are its
+    ``model_inputs`` and every one must be given.
     """
+    if isinstance(model, StageGraph) and model.binder is not None:
+        return model.binder(inputs)
     if isinstance(model, StageGraph):
         names = model.model_inputs
         if isinstance(inputs, dict):
@@ -63,11 +66,18 @@ def bind_inputs(model: nn.Module | StageGraph, inputs: Any) -> dict[str, Any]:
             )
         return given
     signature = inspect.signature(model.forward)
-    if isinstance(inputs, dict):
-        bound = signature.bind(**inputs)
-    elif isinstance(inputs, tuple | list):
-        bound = signature.bind(*inputs)
-    else:
-        bound = signature.bind(inputs)
+    try:
+        if isinstance(inputs, dict):
+            bound = signature.bind(**inputs)
+        elif isinstance(inputs, tuple | list):
+            bound = signature.bind(*inputs)
+        else:
+            bound = signature.bind(inputs)
+    except TypeError as error:
+        raise ValueError(
+            f"{type(model).__name__} takes model inputs {list(signature.parameters)}; the batch "
+            f"does not fit them ({error}); pass a tensor (the first input), a tuple (positional "
+            "inputs) or a dict by name"
+        ) from error
     bound.apply_defaults()
     return dict(bound.arguments)

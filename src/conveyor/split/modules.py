@@ -12,8 +12,9 @@ from typing import Any
 from torch import fx, nn
 
 from conveyor.graph import StageGraph
+from conveyor.split.frontend import Tracer, module_path, trace
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS, trace_graph
+from conveyor.split.tracing import COMPUTE_OPS
 
 __all__ = ["StageAnnotation", "split_by_modules"]
 
@@ -29,6 +30,9 @@ def split_by_modules(
     placement: Sequence[int] | None = None,
     concrete_args: dict[str, Any] | None = None,
     relay_skips: bool = False,
+    *,
+    example_inputs: Any = None,
+    tracer: Tracer = "auto",
 ) -> StageGraph:
     """Cut ``model`` into stages made of the named submodules (see ``StageAnnotation``).
 
@@ -37,7 +41,8 @@ def split_by_modules(
     the stage its inputs come from when they all come from one stage, and otherwise the
     first stage that uses its result. A name's submodules go with it unless they are named
     themselves; then the code of the module around them is glue too. Only modules that
-    contain an annotated one are traced.
+    contain an annotated one are traced (by torch.fx; models it cannot trace are split
+    through torch.export on ``example_inputs``, see conveyor.split.frontend).
 
     Raises:
         ValueError: an unknown name, a stage with no computation, or stages numbered against
@@ -45,21 +50,23 @@ def split_by_modules(
     """
     table = _stage_table(model, stages)
     num_stages = 1 + max(table.values())
-    graph = trace_graph(
+    traced = trace(
         model,
-        list(table),
-        concrete_args,
+        cut_at=list(table),
+        concrete_args=concrete_args,
+        example_inputs=example_inputs,
+        tracer=tracer,
         hint=f"Annotate modules that contain the untraceable code whole: only the "
         f"modules above the annotated ones {sorted(table)[:4]} are traced",
     )
-    assignment = _annotated_assignment(graph, table, num_stages)
+    assignment = _annotated_assignment(traced.graph, table, num_stages)
     placement = list(range(num_stages)) if placement is None else list(placement)
     if len(placement) != num_stages:
         raise ValueError(
             f"placement {placement} has {len(placement)} entries for "
             f"{num_stages} stages; give one rank per stage"
         )
-    return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
+    return build_stage_graph(traced, assignment, placement, relay_skips=relay_skips)
 
 
 def _stage_table(model: nn.Module, stages: StageAnnotation) -> dict[str, int]:
@@ -101,11 +108,12 @@ def _annotated_assignment(
     """Stage of every node from the annotations; see ``split_by_modules`` for unnamed code."""
     stage: dict[fx.Node, int] = {}
     origins: dict[fx.Node, set[int]] = {}
+    containers = {name.rsplit(".", i)[0] for name in table for i in range(1, name.count(".") + 1)}
     for node in graph.nodes:  # forward: annotated nodes, and code fed by a single stage
         if node.op not in COMPUTE_OPS:
             origins[node] = set()
             continue
-        annotated = _annotation(node, table)
+        annotated = _annotation(node, table, containers)
         if annotated is not None:
             stage[node] = annotated
             origins[node] = {annotated}
@@ -128,15 +136,16 @@ def _annotated_assignment(
     return stage
 
 
-def _annotation(node: fx.Node, table: dict[str, int]) -> int | None:
-    """Stage of the innermost annotated module around a module call, if any.
+def _annotation(node: fx.Node, table: dict[str, int], containers: set[str]) -> int | None:
+    """Stage of the innermost annotated module that runs ``node``, if any.
 
-    Only calls of whole modules carry annotations: the traced modules are the ones that
-    contain an annotated module, and their own code is glue between annotated parts.
+    The own code of a module that contains an annotated module (a container) is glue between
+    annotated parts, even if the container is annotated itself; its other submodules go with
+    it.
     """
-    if node.op != "call_module":
+    path = module_path(node)
+    if path in containers:
         return None
-    path = str(node.target)
     while path:
         if path in table:
             return table[path]

@@ -12,9 +12,10 @@ from typing import Any
 from torch import fx, nn
 
 from conveyor.graph import StageGraph
+from conveyor.split.frontend import Tracer, module_path, trace, within
 from conveyor.split.skip import has_skips, verify_skips
-from conveyor.split.stages import build_stage_graph, place_attributes
-from conveyor.split.tracing import trace_graph
+from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
+from conveyor.split.tracing import COMPUTE_OPS
 
 __all__ = ["balance_to_split_points", "even_balance", "split_model"]
 
@@ -49,19 +50,33 @@ def split_model(
     placement: Sequence[int] | None = None,
     concrete_args: dict[str, Any] | None = None,
     relay_skips: bool = False,
+    *,
+    example_inputs: Any = None,
+    tracer: Tracer = "auto",
 ) -> StageGraph:
     """Cut ``model`` before each split point (a submodule's qualified name), in forward order.
 
-    Each stage is an ``fx.GraphModule`` holding the original submodules under their original
+    Each stage is an ``fx.GraphModule`` holding the model's own parameters under their original
     qualified names, so ``stage.named_parameters()`` keys match ``model.state_dict()``. Works
     on models on the meta device: nothing is computed or copied. Stash/pop layers of an
     nn.Sequential are checked with ``conveyor.skip.verify_skips`` and become direct edges.
+    Models torch.fx cannot trace are split through torch.export on ``example_inputs``
+    (``tracer``: see conveyor.split.frontend).
     """
     _check_split_points(model, split_points)
     if isinstance(model, nn.Sequential) and has_skips(model):
         verify_skips(model)
-    graph = trace_graph(model, split_points, concrete_args)
+    traced = trace(
+        model,
+        cut_at=split_points,
+        concrete_args=concrete_args,
+        example_inputs=example_inputs,
+        tracer=tracer,
+    )
+    graph = traced.graph
     assignment = _assign_stages(graph, split_points)
+    if traced.method == "export":  # masks and positions: recompute from the inputs, not send
+        sink_duplicates(graph, assignment)
     num_stages = len(split_points) + 1
     placement = list(range(num_stages)) if placement is None else list(placement)
     if len(placement) != num_stages:
@@ -69,7 +84,7 @@ def split_model(
             f"placement {placement} has {len(placement)} entries for "
             f"{num_stages} stages; give one rank per stage"
         )
-    return build_stage_graph(model, graph, assignment, placement, relay_skips=relay_skips)
+    return build_stage_graph(traced, assignment, placement, relay_skips=relay_skips)
 
 
 def _check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
@@ -91,9 +106,10 @@ def _assign_stages(graph: fx.Graph, split_points: Sequence[str]) -> dict[fx.Node
     assignment: dict[fx.Node, int] = {}
     stage = 0
     for node in graph.nodes:
-        if node.op == "call_module":
+        if node.op in COMPUTE_OPS:
+            path = module_path(node)
             for later, point in enumerate(split_points[stage:], start=stage + 1):
-                if node.target == point or str(node.target).startswith(point + "."):
+                if within(path, point):
                     if later != stage + 1:
                         raise ValueError(
                             f"split point {point!r} runs before {split_points[stage]!r} in "

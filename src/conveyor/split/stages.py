@@ -12,8 +12,10 @@ from typing import Any
 from torch import fx, nn
 
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
+from conveyor.split.frontend import Traced
+from conveyor.torch_compat import pytree
 
-__all__ = ["build_stage_graph"]
+__all__ = ["EXPORTED", "build_stage_graph"]
 
 
 def place_attributes(graph: fx.Graph, assignment: dict[fx.Node, int], num_stages: int) -> None:
@@ -52,8 +54,7 @@ def sink_duplicates(graph: fx.Graph, stage: dict[fx.Node, int]) -> None:
 
 
 def build_stage_graph(
-    model: nn.Module,
-    graph: fx.Graph,
+    traced: Traced,
     assignment: dict[fx.Node, int],
     placement: Sequence[int],
     relay_skips: bool = False,
@@ -64,8 +65,10 @@ def build_stage_graph(
     input of j (an edge i -> j, however far apart). With ``relay_skips`` it is instead passed
     through every stage between i and j, as a chain pipeline must (for comparisons).
     Parameters, buffers and model inputs are available to every stage that uses them; a
-    parameter used by stages on different ranks is a tied weight.
+    parameter used by stages on different ranks is a tied weight. The last stage returns the
+    model's output in the model's own structure (a ModelOutput stays one).
     """
+    graph = traced.graph
     model_inputs = tuple(_value_name(n) for n in graph.nodes if n.op == "placeholder")
     num_stages = len(placement)
     crossing: list[list[fx.Node]] = [[] for _ in range(num_stages)]  # outputs per stage
@@ -98,7 +101,7 @@ def build_stage_graph(
     stages = []
     for index in range(num_stages):
         module, input_nodes = _stage_module(
-            model, graph, assignment, index, consumed[index], crossing[index]
+            traced, assignment, index, consumed[index], crossing[index]
         )
         inputs = tuple(
             _value_name(n)
@@ -110,18 +113,18 @@ def build_stage_graph(
         if index == num_stages - 1:
             outputs += (MODEL_OUTPUT,)
         stages.append(Stage(index, placement[index], inputs, outputs, module))
-    return StageGraph(tuple(stages), model_inputs)
+    return StageGraph(tuple(stages), model_inputs, traced.binder)
 
 
 def _stage_module(
-    model: nn.Module,
-    graph: fx.Graph,
+    traced: Traced,
     assignment: dict[fx.Node, int],
     index: int,
     consumed: list[fx.Node],
     crossing: list[fx.Node],
 ) -> tuple[fx.GraphModule, list[fx.Node]]:
     """The GraphModule of one stage and the nodes its inputs come from, in call order."""
+    graph = traced.graph
     stage_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     used = {arg for n in graph.nodes if assignment[n] == index for arg in n.all_input_nodes}
@@ -139,10 +142,42 @@ def _stage_module(
     results: list[Any] = [env[n] for n in crossing]
     output = next(n for n in graph.nodes if n.op == "output")
     if assignment[output] == index:
-        results.append(fx.node.map_arg(output.args[0], env.__getitem__))
+        value = fx.node.map_arg(output.args[0], env.__getitem__)
+        if traced.output_spec is not None:  # export returns the output's leaves: rebuild it
+            spec = stage_graph.get_attr(_OUTPUT_SPEC)
+            value = stage_graph.call_function(_structured, (spec, *value))
+        results.append(value)
     stage_graph.output(tuple(results))
-    module = fx.GraphModule(model, stage_graph, class_name=f"Stage{index}")
+    root = traced.root
+    if traced.output_spec is not None:
+        setattr(root, _OUTPUT_SPEC, traced.output_spec)
+    module = fx.GraphModule(root, stage_graph, class_name=f"Stage{index}")
+    module.meta[EXPORTED] = traced.method == "export"
+    _keep_buffers_unsaved(module, root)
     return module, inputs
+
+
+def _keep_buffers_unsaved(module: fx.GraphModule, root: nn.Module) -> None:
+    """Buffers the model does not save (a rotary table, position ids) stay unsaved in the
+    stage: fx.GraphModule registers every buffer it copies as saved, so the stage's
+    state_dict would hold keys the model's does not."""
+    saved = set(root.state_dict(keep_vars=True))
+    for name, buffer in list(module.named_buffers()):
+        if name not in saved:
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
+
+
+EXPORTED = "conveyor_exported"
+"""Key of a stage module's ``meta``: True if it was cut from a torch.export graph."""
+
+_OUTPUT_SPEC = "_conveyor_output_spec"
+"""Attribute of an exported stage that holds the model output's pytree structure."""
+
+
+def _structured(spec: pytree.TreeSpec, *leaves: Any) -> Any:
+    """The model's output from its flattened leaves (an exported graph returns those)."""
+    return pytree.tree_unflatten(list(leaves), spec)
 
 
 def _value_name(node: fx.Node) -> str:

@@ -7,7 +7,6 @@ the line of user code, and says how to avoid tracing it.
 
 from __future__ import annotations
 
-import inspect
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -126,7 +125,7 @@ def trace_graph(
             advice = advice.replace("<name>", stack[-1][0])
         raise TypeError(
             f"cannot trace {type(model).__name__} with torch.fx to split it: tracing stopped "
-            f"at {type(error).__name__}: {error}{inside}{_where(error)}. {advice}"
+            f"at {type(error).__name__}: {error}{inside}{where(error)}. {advice}"
         ) from error
     taken = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:  # fx renames specialized arguments ('scale' -> 'scale_1')
@@ -149,16 +148,34 @@ def trace_graph(
     return graph
 
 
-def _where(error: BaseException) -> str:
-    """' (at file:line in func: code)' for the last frame of user code in the traceback."""
-    torch_dir = str(Path(torch.__file__).parent)
-    ours = (str(Path(__file__)), str(Path(inspect.getfile(skip_names))))
+def where(error: BaseException) -> str:
+    """' (at file:line in func: code)' for the last frame of model code in the traceback:
+    neither torch's nor conveyor.split's own."""
+    skipped = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
     frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(torch_dir) and f.filename not in ours
+        f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skipped)
     ]
     if not frames:
         return ""
     frame = frames[-1]
     return f" (at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line})"
+
+
+NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+"""The module path torch.export records for code outside every module."""
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost submodule that runs ``node`` ("" for the model's own
+    code): the called module for an fx ``call_module``, else the module stack the tracer
+    recorded."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [path for path, _ in stack.values() if path and path != NO_MODULE]
+    return paths[-1] if paths else ""
+
+
+def within(path: str, prefix: str) -> bool:
+    """Whether submodule ``path`` is ``prefix`` or inside it."""
+    return path == prefix or path.startswith(prefix + ".")

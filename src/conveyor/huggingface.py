@@ -1,0 +1,106 @@
+"""Hugging Face conventions in one place: the model's own loss, what it counts, its config.
+
+    pipe = Pipeline(model, split_points=["model.layers.2"], example_inputs=batch)
+    pipe.step(batch)          # batch["labels"] given, no loss_fn: the model's own loss
+
+conveyor does not import transformers; it recognises its conventions. A model whose forward
+takes ``labels`` and returns an output with a ``loss`` (a ``ModelOutput``) computes its own
+loss; a token-level loss (labels with a sequence dimension) is a mean over the tokens not
+marked -100, shifted by one for a causal language model, so the step weighs micro-batches by
+those counts (conveyor.runtime.loss).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.runtime.loss import counted_tokens
+
+__all__ = [
+    "LABELS",
+    "initializer",
+    "is_transformers_model",
+    "label_counts",
+    "model_loss",
+    "takes_labels",
+]
+
+LABELS = "labels"
+"""The input by which a model that computes its own loss receives its targets."""
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing it)."""
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+
+
+def takes_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes labels, and so may compute its own loss."""
+    return LABELS in inspect.signature(model.forward).parameters
+
+
+def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
+    """The loss the model computed itself (``output.loss``): the loss function of a Pipeline
+    built without ``loss_fn``."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise RuntimeError(
+            f"the model returned {type(output).__name__} without a loss; pass labels in the "
+            "batch (a model that computes its own loss needs them) or a loss_fn to Pipeline"
+        )
+    return loss
+
+
+def initializer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """How ``model``'s modules initialize the tensors they own (conveyor.weights): transformers'
+    ``_init_weights`` of the nearest ``PreTrainedModel`` around a module (weights, norms,
+    rotary tables, position ids), else the module's ``reset_parameters`` (or
+    ``_reset_parameters``, as nn.MultiheadAttention names it)."""
+
+    def initialize(name: str, module: nn.Module) -> bool:
+        path = name
+        while True:
+            around = model.get_submodule(path)
+            init_weights = getattr(around, "_init_weights", None)
+            if is_transformers_model(around) and callable(init_weights):
+                init_weights(module)
+                return True
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+        reset = getattr(module, "reset_parameters", None) or getattr(
+            module, "_reset_parameters", None
+        )
+        if callable(reset):
+            reset()
+            return True
+        return False
+
+    return initialize
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's own loss predicts labels shifted by one (a causal language model:
+    transformers' ``ForCausalLM`` loss, also its default when a model names none)."""
+    loss_type = getattr(model, "loss_type", None)
+    return is_transformers_model(model) and loss_type in (None, "ForCausalLM")
+
+
+def label_counts(model: nn.Module, labels: list[Any]) -> list[int]:
+    """What the model's own loss averages over in each micro-batch: counted tokens for
+    token-level labels, samples for one label per sample."""
+    shift = shifts_labels(model)
+    counts = []
+    for chunk in labels:
+        if not isinstance(chunk, torch.Tensor):
+            raise ValueError(
+                f"labels must be a tensor for the model's own loss, got {type(chunk).__name__}"
+            )
+        token_level = chunk.dim() >= 2 and not chunk.is_floating_point()
+        counts.append(counted_tokens(chunk, shift) if token_level else int(chunk.shape[0]))
+    return counts

@@ -1,0 +1,258 @@
+"""Hugging Face models, unedited, split through torch.export: the model's own loss (token-level,
+with padding and -100 labels), and every gradient, equal plain training on the full batch.
+
+Models come from small configs built in the test (nothing is downloaded); dropout is off, so
+the plain reference can run the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor
+from dist import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+VOCAB = 96
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def t5() -> nn.Module:
+    config = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=32, d_ff=64, d_kv=8, num_heads=4,
+        vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def text_batch(
+    masked_lm: bool = False, shape: tuple[int, int] = (8, 12)
+) -> dict[str, torch.Tensor]:
+    """8 sequences of 12 tokens, some padded (mask 0, label -100), uneven across micro-batches."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, shape, generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = mask[2, 3:] = mask[6, 10:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if masked_lm:  # a masked LM predicts a few positions only
+        keep = torch.rand(ids.shape, generator=generator) < 0.3
+        labels = labels.masked_fill(~keep, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def check_against_plain(
+    pipe: conveyor.Pipeline, plain: nn.Module, batch: dict[str, torch.Tensor]
+) -> None:
+    """The pipeline's loss and every gradient on this rank equal the plain model's on the
+    whole batch."""
+    loss = pipe.step(batch)
+    expected = plain(**batch).loss
+    expected.backward()
+    if pipe.rank == pipe.graph.rank_of(pipe.graph.sink):
+        assert loss is not None
+        torch.testing.assert_close(loss, expected.detach())
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    names = [name for name, _ in pipe.named_parameters()]
+    assert names
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(
+            parameter.grad, reference[name].grad, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        parameter.grad = None
+    plain.zero_grad()
+
+
+def _language_models(rank: int, world_size: int) -> None:
+    cases: list[tuple[Any, dict[str, Any], bool]] = [
+        (gpt2, {"split_points": ["transformer.h.2"], "schedule": "1f1b"}, False),
+        (gpt2, {"split_points": ["transformer.h.2"], "schedule": "zb-h1"}, False),
+        (llama, {"split_points": ["model.layers.2"], "schedule": "1f1b"}, False),
+        (bert, {"split_points": ["bert.encoder.layer.2"], "schedule": "zb-h1"}, True),
+    ]
+    for build, options, masked_lm in cases:
+        torch.manual_seed(0)
+        model = build()
+        plain = copy.deepcopy(model)
+        batch = text_batch(masked_lm)
+        pipe = conveyor.Pipeline(
+            model, num_microbatches=4, example_inputs=batch, timeout_s=30, **options
+        )
+        check_against_plain(pipe, plain, batch)
+    # the batch and sequence dimensions stayed dynamic: another shape runs, as plain
+    check_against_plain(pipe, plain, text_batch(masked_lm, shape=(12, 7)))
+    without_mask = {k: v for k, v in batch.items() if k != "attention_mask"}
+    with pytest.raises(ValueError, match=r"example inputs \['attention_mask', 'input_ids'"):
+        pipe.step(without_mask)
+
+
+def test_language_models_train_as_plain_on_two_ranks(tmp_path: Path) -> None:
+    run_ranks(_language_models, tmp_path, 2, timeout_s=400)
+
+
+def _seq2seq(rank: int, world_size: int) -> None:
+    # a graph pipeline: the encoder's output feeds both decoder stages directly
+    torch.manual_seed(0)
+    model = t5()
+    plain = copy.deepcopy(model)
+    batch = text_batch()
+    batch["labels"] = batch["labels"][:, :7].contiguous()  # a shorter target than the source
+    modules = (
+        "shared,encoder",
+        "decoder.block.0",
+        "decoder.block.1,decoder.final_layer_norm,lm_head",
+    )
+    pipe = conveyor.Pipeline(
+        model,
+        stage_modules=modules,
+        schedule="graph-1f1b",
+        num_microbatches=4,
+        example_inputs=batch,
+        timeout_s=60,
+    )
+    assert set(pipe.graph.consumers(0)) == {1, 2}
+    check_against_plain(pipe, plain, batch)
+
+
+def test_an_encoder_decoder_trains_as_a_graph_pipeline(tmp_path: Path) -> None:
+    run_ranks(_seq2seq, tmp_path, 3, timeout_s=400)
+
+
+def vit() -> nn.Module:
+    config = transformers.ViTConfig(
+        num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        image_size=16, patch_size=4, num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def resnet() -> nn.Module:
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16], depths=[1, 1, 1], num_labels=5
+    )
+    return transformers.ResNetForImageClassification(config)
+
+
+def image_batch() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    pixels = torch.randn(8, 3, 16, 16, generator=generator)
+    return {"pixel_values": pixels, "labels": torch.randint(0, 5, (8,), generator=generator)}
+
+
+def check_microbatched(
+    pipe: conveyor.Pipeline, plain: nn.Module, batch: dict[str, torch.Tensor]
+) -> None:
+    """Against plain training micro-batch by micro-batch (batch norm sees micro-batches):
+    losses weighted by their share of the samples, gradients and running statistics."""
+    loss = pipe.step(batch)
+    m = pipe.config.num_microbatches
+    expected = torch.zeros(())
+    chunks = [dict(zip(batch, values, strict=True)) for values in
+              zip(*(v.tensor_split(m) for v in batch.values()), strict=True)]  # fmt: skip
+    for chunk in chunks:
+        weighted = plain(**chunk).loss * (len(chunk["labels"]) / len(batch["labels"]))
+        weighted.backward()
+        expected += weighted.detach()
+    if pipe.rank == pipe.graph.rank_of(pipe.graph.sink):
+        assert loss is not None
+        torch.testing.assert_close(loss, expected)
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
+    buffers = dict(plain.named_buffers())
+    for name, buffer in pipe.state_dict().items():
+        if "running" in name:
+            torch.testing.assert_close(buffer, buffers[name], msg=name)
+    plain.zero_grad()
+
+
+def _vision(rank: int, world_size: int) -> None:
+    for build, options in [
+        (resnet, {"auto_split": True}),
+        (resnet, {"split_points": ["resnet.encoder.stages.1"]}),
+        (vit, {"split_points": ["vit.layers.2"], "schedule": "zb-h1"}),
+    ]:
+        torch.manual_seed(0)
+        model = build()
+        plain = copy.deepcopy(model)
+        batch = image_batch()
+        pipe = conveyor.Pipeline(
+            model, num_microbatches=4, example_inputs=batch, timeout_s=60, **options
+        )
+        check_microbatched(pipe, plain, batch)
+        pipe.eval()  # batch norm on its running statistics, as the plain model in eval mode
+        output = pipe(batch)
+        if output is not None:
+            expected = plain.eval()(**batch)
+            assert type(output) is type(expected)
+            torch.testing.assert_close(output.logits, expected.logits)
+
+
+def test_vision_models_train_as_plain(tmp_path: Path) -> None:
+    run_ranks(_vision, tmp_path, 2, timeout_s=400)
+
+
+def _four_ranks_with_dropout(rank: int, world_size: int) -> None:
+    # dropout on: each micro-batch draws the masks plain training draws when seeded the same
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.2
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    plain = copy.deepcopy(model)
+    batch = text_batch()
+    points = ["transformer.h.1", "transformer.h.2", "transformer.h.3"]
+    pipe = conveyor.Pipeline(model, split_points=points, num_microbatches=4, example_inputs=batch)
+    loss = pipe.step(batch)
+    chunks = [dict(zip(batch, values, strict=True)) for values in
+              zip(*(v.tensor_split(4) for v in batch.values()), strict=True)]  # fmt: skip
+    counted = [int((c["labels"][:, 1:] != -100).sum()) for c in chunks]
+    expected = torch.zeros(())
+    for k, chunk in enumerate(chunks):
+        torch.manual_seed(conveyor.microbatch_seed(0, 0, k))
+        weighted = plain(**chunk).loss * (counted[k] / sum(counted))
+        weighted.backward()
+        expected += weighted.detach()
+    if rank == 3:
+        assert loss is not None
+        torch.testing.assert_close(loss, expected)
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
+
+
+def test_four_ranks_draw_plain_trainings_dropout_masks(tmp_path: Path) -> None:
+    run_ranks(_four_ranks_with_dropout, tmp_path, 4, timeout_s=400)
