@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
@@ -53,6 +54,7 @@ def run(directory: Path, steps: int, save_at: int | None = None, **mesh: Any) ->
     """Resume a pipeline on ``mesh`` from ``directory`` and train ``steps`` steps: the step it
     resumed at, the state it loaded, the losses, and the state it saved at ``save_at``."""
     group = mesh.pop("group", None)
+    pretrained = mesh.pop("pretrained", None)
     m = mesh.pop("num_microbatches", 2)
     pipe = conveyor.Pipeline(
         model(), group=group, num_microbatches=m, loss_fn=F.mse_loss, broadcast_loss=True, **mesh
@@ -79,6 +81,8 @@ def run(directory: Path, steps: int, save_at: int | None = None, **mesh: Any) ->
             if step == save_at:
                 checkpointer.save(step)
                 result["saved"] = full_state(pipe, optimizer, group)
+                if pretrained is not None:
+                    pipe.save_pretrained(pretrained)
     return result
 
 
@@ -95,7 +99,14 @@ def distcp_bytes(path: Path) -> int:
 def _degrees(rank: int, world_size: int, directory: str) -> None:
     root = Path(directory)
     # dp=2 with FSDP: 3 steps, saved after 2; resumed at dp=2 the third step is bitwise the same
-    first = run(root, 3, save_at=2, dp=2, fsdp=True)
+    first = run(root, 3, save_at=2, dp=2, fsdp=True, pretrained=root / "pretrained")
+    # save_pretrained on the mesh: the sharded parameters gathered whole, written once
+    files = sorted((root / "pretrained").glob("*.safetensors"))
+    assert len(files) == 2, files  # one shard per pipeline rank, not per replica
+    written = {k: v for f in files for k, v in load_file(f).items()}
+    assert_equal(
+        written, {k: v for k, v in first["saved"].items() if k in dict(model().named_parameters())}
+    )
     again = run(root, 1, dp=2, fsdp=True)
     assert again["start"] == 2 and again["losses"] == first["losses"][2:]
     assert_equal(again["loaded"], first["saved"])

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import conveyor
+from conveyor.runtime.loss import IGNORE_INDEX
 from dist import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -117,6 +118,31 @@ def _equivalence(rank: int, world_size: int) -> None:
             torch.testing.assert_close(norm, plain_norm, rtol=0, atol=1e-12, msg=what)
             check_grads(pipe, plain, f"{what}, clipped")
             assert pipe.ties.max_difference() == 0.0
+    _token_mean_over_replicas()
+
+
+def _token_mean_over_replicas() -> None:
+    """A token-level loss whose replicas count different tokens (2 and 4: replica 0's half
+    has two ignored targets) still gives the global batch's token mean and gradients."""
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 8).double(), torch.randint(0, 8, (8,))
+    y[[0, 2]] = IGNORE_INDEX
+    model = tied_model()
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(
+        model, dp=2, fsdp=True, num_microbatches=2, loss_fn=F.cross_entropy,
+        loss_reduction="token_mean", broadcast_loss=True, timeout_s=15,
+    )  # fmt: skip
+    share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+    loss = pipe.step(x[share], y[share])
+    expected = torch.zeros((), dtype=x.dtype)
+    for j, (xj, yj) in enumerate(zip(x.tensor_split(4), y.tensor_split(4), strict=True)):
+        torch.manual_seed(conveyor.microbatch_seed(0, 0, j))
+        part = F.cross_entropy(plain(xj), yj) * (int((yj != IGNORE_INDEX).sum()) / 6)
+        part.backward()
+        expected += part.detach()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12, msg="token_mean")
+    check_grads(pipe, plain, "token_mean over replicas")
 
 
 def test_dp_x_pp_equals_plain_training_on_the_global_batch(tmp_path: Path) -> None:

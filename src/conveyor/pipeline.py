@@ -28,13 +28,14 @@ from conveyor.parallel import (
     parallelize_stages,
     pipeline_mesh,
 )
+from conveyor.parallel.data_parallel import local
 from conveyor.parallel.tensor_parallel import check_plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
-from conveyor.runtime.loss import counted_tokens, loss_weights
+from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import Tie, TiedWeights, find_ties
 from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
@@ -230,18 +231,24 @@ class Pipeline:
         """Write the whole model's weights to ``directory`` (collective): each rank writes its
         stages' tensors as one safetensors shard, under the model's own names (a tied weight
         once), and rank 0 the index and, for a transformers model, its config, so that
-        ``from_pretrained(directory)`` (or ``load_file`` + ``load_state_dict``) reads it."""
+        ``from_pretrained(directory)`` (or ``load_file`` + ``load_state_dict``) reads it.
+
+        On a mesh, call it on every rank of the job: sharded tensors are gathered whole and
+        replica 0's first tensor-parallel pipeline writes them."""
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
-        shard = save_stage_files(self._own_tensors(), target, self.rank, self.num_ranks)
-        shards: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(shards, shard, group=self.group)
-        if self.rank == 0:
-            config = getattr(self._model, "config", None)
-            if config is not None and hasattr(config, "to_json_string"):
-                write_atomic(target / "config.json", config.to_json_string())
-            write_index(target, shards)
-        dist.barrier(group=self.group)
+        # gathering a DTensor is collective over its replicas and tensor-parallel ranks
+        tensors = {k: _whole(v) for k, v in self._own_tensors().items()}
+        if self.mesh is None or (self.replica == 0 and self.mesh.tp_index == 0):
+            shard = save_stage_files(tensors, target, self.rank, self.num_ranks)
+            shards: list[Any] = [None] * self.num_ranks
+            dist.all_gather_object(shards, shard, group=self.group)
+            if self.rank == 0:
+                config = getattr(self._model, "config", None)
+                if config is not None and hasattr(config, "to_json_string"):
+                    write_atomic(target / "config.json", config.to_json_string())
+                write_index(target, shards)
+        dist.barrier(group=self.group if self.mesh is None else None)
         return target
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
@@ -250,7 +257,7 @@ class Pipeline:
         state: dict[str, torch.Tensor] = {}
         written: set[tuple[int, tuple[int, ...]]] = set()
         for name, tensor in self.state_dict().items():
-            where = (tensor.data_ptr(), tuple(tensor.shape))
+            where = (local(tensor).data_ptr(), tuple(tensor.shape))
             if where not in written:  # one tensor under two names in one stage: once
                 written.add(where)
                 state[name] = tensor
@@ -268,6 +275,9 @@ class Pipeline:
 
         Returns the batch's loss (detached) on the rank that holds the last stage, None on the
         others; with ``broadcast_loss``, the step's loss over every replica, on every rank.
+        With data parallelism the last stage's loss is its replica's part of the global
+        batch's mean loss times the number of replicas: its own mean loss when the replicas'
+        counts (samples, or counted tokens) are equal.
         Call the optimizer and ``zero_grad`` as in plain training. With data parallelism,
         each replica passes its own share of the global batch (conveyor.data.ResumableLoader
         with ``num_replicas``), the same on every rank of the replica.
@@ -391,7 +401,13 @@ class Pipeline:
                 f"and needs its labels; pass them in the batch, e.g. {{'input_ids': ids, "
                 f"'{LABELS}': ids}}"
             )
-        weights = self._loss_weights(chunks, split_targets) if size else [1.0] * m
+        weights = [1.0] * m
+        if size:
+            kind, counts = self._loss_counts(chunks, split_targets)
+            data = self.data_parallel if is_training else None
+            weights = (
+                loss_weights(kind, counts) if data is None else data.loss_weights(kind, counts)
+            )
         return StepInputs(
             chunks,
             [_signature(c) for c in chunks],
@@ -402,17 +418,19 @@ class Pipeline:
             first_microbatch=self.replica * m,
         )
 
-    def _loss_weights(self, chunks: list[dict[str, Any]], targets: list[Any] | None) -> list[float]:
-        """Each micro-batch's weight in the step's loss (conveyor.runtime.loss): by what its
-        loss averages over."""
+    def _loss_counts(
+        self, chunks: list[dict[str, Any]], targets: list[Any] | None
+    ) -> tuple[LossReduction, list[int]]:
+        """How micro-batch losses add up and what each averages over (samples, or counted
+        tokens); conveyor.runtime.loss turns them into the micro-batches' weights."""
         reduction = self.config.loss_reduction
         own_loss = self.loss_fn is None and chunks and chunks[0].get(LABELS) is not None
         if own_loss and isinstance(self._model, nn.Module):  # the model's own loss
             counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks])
-            return loss_weights("sum" if reduction == "sum" else "mean", counts)
+            return ("sum" if reduction == "sum" else "mean"), counts
         if reduction == "token_mean" and targets is not None:
-            return loss_weights(reduction, [counted_tokens(t) for t in targets])
-        return loss_weights(reduction, [microbatch.batch_size(c) or 0 for c in chunks])
+            return reduction, [counted_tokens(t) for t in targets]
+        return reduction, [microbatch.batch_size(c) or 0 for c in chunks]
 
     # -- the mesh ---------------------------------------------------------------------------
 
@@ -513,6 +531,11 @@ class Pipeline:
             f"checkpoint={self.config.checkpoint} "
             f"est. bubble={estimate.bubble_fraction:.0%}"
         )
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on this rank: a DTensor's shards gathered (collective), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _placed_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,7 @@ def share_loss(pipe: Pipeline, loss: torch.Tensor | None) -> torch.Tensor:
         mesh = pipe.mesh
         if mesh is not None and mesh.dp_mesh is not None and mesh.num_replicas > 1:
             dist.all_reduce(value, group=mesh.dp_mesh.get_group())
-            if pipe.config.loss_reduction == "mean":
+            if pipe.config.loss_reduction != "sum":
                 value /= mesh.num_replicas
     source = pipe.graph.rank_of(pipe.graph.sink)
     dist.broadcast(value, group=pipe.group, group_src=source)

@@ -9,7 +9,7 @@ FSDP2, their gradients reduced once per step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from conveyor.runtime.comm import PeerLostError
+from conveyor.runtime.loss import LossReduction
 from conveyor.torch_compat import fsdp_reduce_gradients, replicate
 
 __all__ = ["DataParallel", "local"]
@@ -41,11 +42,14 @@ logger = logging.getLogger(__name__)
 # FSDP2 wants one root module per state, so each stage is wrapped alone; a parameter shared
 # by two stages of one rank (a weight tied within the rank, as in a V placement) is left out
 # of both (it stays whole) and its step's gradient is all-reduced over the replicas at the
-# end of the step.
+# end of the step. FSDP2 averages the replicas' gradients, which is the global batch's
+# gradient only if every replica's loss averages over as much; so each replica weighs its
+# micro-batches by their share of the count over all replicas (loss_weights), which also
+# covers token-level losses whose counted tokens differ between replicas.
 class DataParallel:
     """This rank's stages over the replicas of ``mesh``: FSDP2 ``fully_shard`` with ``fsdp``,
-    else FSDP2's ``replicate``; gradients are averaged over the replicas (``mean``) or
-    summed (``sum``), once per step."""
+    else FSDP2's ``replicate``; gradients are those of the global batch's mean loss (or of
+    the sum with ``reduction="sum"``), reduced once per step."""
 
     def __init__(
         self,
@@ -54,13 +58,14 @@ class DataParallel:
         *,
         fsdp: bool,
         reshard_after_forward: bool = False,
-        reduction: str = "mean",
+        reduction: LossReduction = "mean",
     ) -> None:
         self.stages = stages
         self.group = mesh.get_group()
         self.shared = _shared_parameters(stages)
         """Parameters of several local stages: left out of FSDP, reduced at the step's end."""
-        self._divisor = mesh.size() if reduction == "mean" else 1
+        self.device = torch.device(mesh.device_type)
+        self._divisor = 1 if reduction == "sum" else mesh.size()
         self._before: list[torch.Tensor | None] = []
         _broadcast_from_first_replica(stages.values(), self.group)
         ignored = set(self.shared)
@@ -88,6 +93,22 @@ class DataParallel:
             fsdp.set_reshard_after_backward(False)
             fsdp.set_is_last_backward(False)
         self._before = [None if p.grad is None else p.grad.clone() for p in self.shared]
+
+    def loss_weights(self, reduction: LossReduction, counts: Sequence[int]) -> list[float]:
+        """This replica's micro-batch weights, so that the gradients reduced over the replicas
+        are those of the global batch: a mean weighs each micro-batch by its share of the
+        count over every replica (samples, or tokens a token-level loss counts, which differ
+        between replicas), times the replicas FSDP divides by. One small all-reduce.
+
+        See Note [one reduction per step].
+        """
+        if reduction == "sum":
+            return [1.0] * len(counts)
+        total = torch.tensor(sum(counts), dtype=torch.int64, device=self.device)
+        with self._naming_lost("adding up the replicas' loss counts"):
+            dist.all_reduce(total, group=self.group)
+        whole = int(total)
+        return [count * self._divisor / whole if whole else 0.0 for count in counts]
 
     def stage_done(self, stage: int) -> None:
         """The stage's gradients are complete for this step: reduce them over the replicas.
