@@ -206,14 +206,17 @@ class Timeline:
 
     def summary_text(self) -> str:
         """The summary as a small table, with the step time and bubble fraction on top."""
-        width = max(4, *(len(self.label(r)) for r in range(self.num_ranks)))
+        labels = self.meta.get("row_labels")  # replicas: 'replica 0 rank 1', else the rank
+        names = [str(labels[r]) if labels else str(r) for r in range(self.num_ranks)]
+        width = max(4, *map(len, names))
         lines = [
             f"{self.title()}",
-            f"{'':>{width}}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}",
+            f"{'' if labels else 'rank':>{width}}  {'busy':>6}  {'bubble':>6}  "
+            f"{'comm wait':>9}  {'peak act.':>10}",
         ]
         for row in self.summary():
             lines.append(
-                f"{self.label(row.rank):>{width}}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
+                f"{names[row.rank]:>{width}}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
                 f"{row.comm_wait:>9.1%}  "
                 f"{_bytes(row.peak_memory) if row.peak_memory else '-':>10}"
             )
@@ -459,7 +462,7 @@ def load_run(directory: str | Path, step: int | None = None) -> Timeline:
     ]
     if missing:
         raise ValueError(
-            f"{str(directory)!r} lacks the trace files {missing[:4]} of a run of "
+            f"{str(directory)!r} lacks the trace files {missing[:4]}: the run had "
             f"{len(rows)} ranks; copy every rank's file there"
         )
     common = set.intersection(*(set(steps) for steps in per_row.values()))
