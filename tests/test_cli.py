@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from conveyor.cli import main
 from conveyor.cli.launch import failure_summary
 from conveyor.runtime.peers import Failure
+from conveyor.trace import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,3 +122,37 @@ def test_the_run_summary_names_the_rank_the_ranks_reported() -> None:
         "rank 0 abandoned step 3 after an error of its own: ValueError: bad"
     )
     assert failure_summary(exited, 0, how, None) == f"{exited} failed first: {how}"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(400)
+def test_two_nodes_on_localhost_train_two_replicas_and_trace_them(tmp_path: Path) -> None:
+    # two torchrun agents meet through a c10d rendezvous, as two machines would: node 0
+    # holds ranks 0-1 (stage 0 of both replicas), node 1 ranks 2-3 (stage 1)
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    script = str(ROOT / "examples" / "scale_out.py")
+    command = [
+        sys.executable, "-m", "conveyor.cli", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"localhost:{port}", "-n", "2", "--dp", "2", "--trace", "trace",
+        "--max-restarts", "0", script, "--steps", "5", "--every", "5", "--checkpoint-dir", "ckpt",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env.pop("RANK", None)
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, **output) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=360)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-4000:]
+    assert "step 5 | loss" in "".join(outputs)
+    assert (tmp_path / "ckpt" / "step-00000005" / "manifest.json").exists()
+    timeline = load_run(tmp_path / "trace")  # 4 files, one timeline: a row per (replica, rank)
+    assert timeline.num_ranks == 4
+    assert [timeline.label(r) for r in range(4)] == [
+        "replica 0 rank 0", "replica 0 rank 1", "replica 1 rank 0", "replica 1 rank 1",
+    ]  # fmt: skip
+    assert {e.action for e in timeline.events if e.kind == "reduce"} == {"reduce 0", "reduce 1"}

@@ -9,8 +9,10 @@ import pytest
 
 from conveyor.cli.flags import field_docs
 from conveyor.config import (
+    DP_ENV,
     PLAN_ENV,
     TRACE_ENV,
+    ParallelConfig,
     PipelineConfig,
     RuntimeConfig,
     SplitConfig,
@@ -23,7 +25,7 @@ from conveyor.config import (
 def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
     config = PipelineConfig(balance=(3, 3), num_microbatches=8, timeout_s=5.0)
     assert (config.balance, config.num_microbatches, config.timeout_s) == ((3, 3), 8, 5.0)
-    sections = [SplitConfig, TrainingConfig, RuntimeConfig]
+    sections = [SplitConfig, TrainingConfig, RuntimeConfig, ParallelConfig]
     names = [set(section.__dataclass_fields__) for section in sections]
     assert set.union(*names) == set(PipelineConfig.__dataclass_fields__)
     assert sum(len(n) for n in names) == len(PipelineConfig.__dataclass_fields__)
@@ -42,6 +44,9 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
         ({"timeout_s": 0}, "timeout_s must be positive"),
         ({"compile_timeout_s": -1.0}, "compile_timeout_s must be positive"),
         ({"tie_weights": ("a.weight",)}, "names fewer than two"),
+        ({"dp": 0}, "dp must be >= 1, got 0"),
+        ({"reshard_after_forward": True}, "pass fsdp=True as well"),
+        ({"dp": 2, "measure_memory": True}, "measure activation memory with dp=1"),
     ],
 )
 def test_each_section_rejects_bad_values(fields: dict[str, object], message: str) -> None:
@@ -91,6 +96,9 @@ def test_sources_resolve_in_order(tmp_path: Path) -> None:
     assert (launched.schedule, launched.trace_dir) == ("zb-h1", "/runs/t")
     own = resolve(base, options={"trace_dir": "mine"}, environ={TRACE_ENV: "/runs/t"})
     assert own.trace_dir == "mine"
+    # `conveyor run --dp N` fills an unset data-parallel degree
+    assert resolve(base, environ={DP_ENV: "2"}).dp == 2
+    assert resolve(base, options={"dp": 4}, environ={DP_ENV: "2"}).dp == 4
 
 
 def test_bad_plan_files_are_named(tmp_path: Path) -> None:

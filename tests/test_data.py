@@ -48,3 +48,25 @@ def test_loader_refuses_a_position_from_other_batching() -> None:
         ResumableLoader(data, batch_size=5).load_state_dict(state)
     with pytest.raises(ValueError, match="gives no batch"):
         ResumableLoader(data, batch_size=64)
+
+
+def test_replicas_share_each_global_batch_and_resume_at_another_count() -> None:
+    data = TensorDataset(torch.arange(40))
+    whole = ResumableLoader(data, batch_size=8, seed=2)
+    expected = [b[0].tolist() for b, _ in zip(whole.forever(), range(8), strict=False)]
+    shards = [ResumableLoader(data, 8, seed=2, num_replicas=2, replica=r) for r in (0, 1)]
+    streams = [s.forever() for s in shards]
+    seen = []
+    for _ in range(3):  # replica 0's half, then replica 1's: the global batch, in order
+        seen.append(next(streams[0])[0].tolist() + next(streams[1])[0].tolist())
+    assert seen == expected[:3]
+    state = shards[0].state_dict()
+    assert state == shards[1].state_dict()  # the position counts global batches
+    quarters = [ResumableLoader(data, 8, seed=2, num_replicas=4, replica=r) for r in range(4)]
+    for quarter in quarters:  # resume at 4 replicas: the next global batches, split in four
+        quarter.load_state_dict(state)
+    rest = [q.forever() for q in quarters]
+    for batch in expected[3:8]:  # into the second epoch: every sample once per epoch
+        assert [i for r in rest for i in next(r)[0].tolist()] == batch
+    with pytest.raises(ValueError, match="divisible by num_replicas"):
+        ResumableLoader(data, 6, num_replicas=4, replica=0)

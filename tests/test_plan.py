@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -244,6 +246,14 @@ def test_plan_command_prints_plans_and_writes_the_best(
         main([*argv[:6], "1KiB", *argv[7:]])
     assert exit_info.value.code == 2
     assert "smallest memory any plan needs" in capsys.readouterr().err
+    # a mesh: 4 ranks as dp x pp (the saved profile has no link: reductions are free)
+    mesh = [*argv[:3], "--world-size", "4", *argv[5:14], "--out", str(out_file)]
+    assert main(mesh) == 0
+    out = capsys.readouterr().out
+    assert "on 4 ranks, global batch 8" in out and "chosen dp=" in out
+    chosen = re.search(r"chosen dp=(\d+) x pp=(\d+)", out)
+    assert chosen is not None and int(chosen[1]) * int(chosen[2]) == 4
+    assert read_plan(out_file).get("dp", 1) == int(chosen[1])
 
 
 def test_memory_sizes_read_with_units() -> None:
@@ -304,3 +314,28 @@ def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run()
     plan(
         Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, profile=profile, microbatches=[2, 4]
     )  # the fitted profile still matches its model
+
+
+def test_a_mesh_plan_weighs_the_bubble_against_the_reduction_and_says_why() -> None:
+    from conveyor.planner import Link, Replicas, plan_mesh
+
+    assert Replicas(4, Link(1e-3, 1e6)).reduce_time(4000) == pytest.approx(2 * 3 * 2e-3)
+    assert Replicas(4, Link(1e-3, 1e6), fsdp=True).reduce_time(4000) == pytest.approx(3 * 2e-3)
+    profile = _profile([1.0] * 8, params=10**6)
+    sizes = {"world_size": 4, "memory_budget": 1 << 40, "batch_size": 16}
+    cheap = replace(profile, link=Link(1e-6, 1e12))  # reductions nearly free: no bubble wins
+    report = plan_mesh(None, profile=cheap, schedules=["1f1b"], **sizes)
+    assert (report.best.dp, report.best.pp) == (4, 1)
+    assert report.why().startswith("chosen dp=4 x pp=1: 1f1b")
+    assert "not dp=1 x pp=4" in report.why()
+    dear = replace(profile, link=Link(1e-6, 1e4))  # reducing 8 MB takes longer than the bubble
+    report = plan_mesh(None, profile=dear, schedules=["1f1b"], **sizes)
+    assert (report.best.dp, report.best.pp) == (1, 4)
+    assert report.best.reduction_s() == 0.0 < report.layouts[-1].reduction_s()
+    assert report.best.report.pipeline_config().get("dp") is None
+    two = next(m for m in report.layouts if m.dp == 2)
+    assert two.report.pipeline_config(two.best)["dp"] == 2
+    odd = plan_mesh(None, 4, 1 << 40, 6, profile=cheap, schedules=["1f1b"])
+    assert odd.skipped == ["dp=4 x pp=1: the batch of 6 does not split over 4 replicas"]
+    with pytest.raises(ValueError, match="no dp x pp layout of 4 ranks fits"):
+        _ = plan_mesh(None, 4, 1, 16, profile=cheap, schedules=["1f1b"]).best

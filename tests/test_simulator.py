@@ -77,3 +77,38 @@ def test_a_receive_posted_out_of_order_is_a_deadlock() -> None:
     )
     with pytest.raises(DeadlockError, match="post receives in the order"):
         simulate(program, graph)
+
+
+class _Reducing(UnitCost):
+    """Unit costs, and half a unit to reduce a stage's gradients over the replicas."""
+
+    def reduce(self, stage: int) -> float:
+        return 0.5
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+def test_each_stage_is_reduced_right_after_its_last_weight_gradient(name: str) -> None:
+    num_stages, placement = _layout(name, 2)
+    graph = chain(num_stages, placement=placement)
+    program = build_program(name, graph, 4)
+    plain = simulate(program, graph)
+    timeline = simulate(program, graph, _Reducing())
+    for rank in range(2):
+        events = [e for e in timeline.on(rank) if not e.action.startswith("wait")]
+        reduced = [e for e in events if e.kind == "reduce"]
+        assert sorted(e.action for e in reduced) == [
+            f"reduce {s}" for s in range(num_stages) if placement[s] == rank
+        ]
+        for event in reduced:
+            stage = int(event.action.split()[1])
+            last = max(
+                (
+                    e
+                    for e in events
+                    if e.stage == stage and e.kind in ("backward", "backward_weight")
+                ),
+                key=lambda e: e.end,
+            )
+            assert event.start == last.end and event.duration == 0.5
+    # the reductions that end a rank's step lengthen it; nothing overlaps on a rank
+    assert plain.step_time < timeline.step_time <= plain.step_time + 0.5 * num_stages

@@ -377,6 +377,11 @@ def test_run_options_are_taken_before_the_script_only(
     with pytest.raises(ValueError, match="no 'pipeline' section"):
         (tmp_path / "p.json").write_text("{}")
         take_run_options(["--plan", str(tmp_path / "p.json"), "train.py"])
+    monkeypatch.setenv("CONVEYOR_DP", "")  # restored (unset) after the test
+    assert take_run_options(["-n", "4", "--dp", "2", "train.py"]) == ["-n", "4", "train.py"]
+    assert __import__("os").environ["CONVEYOR_DP"] == "2"
+    with pytest.raises(ValueError, match="positive number of ranks, got 'two'"):
+        take_run_options(["--dp", "two", "train.py"])
 
 
 _SCRIPT = """
@@ -408,3 +413,29 @@ def test_conveyor_run_trace_records_every_rank(
     timeline = load_run(tmp_path / "run")
     assert timeline.meta["step"] == 2 and timeline.num_ranks == 2
     assert [e.action for e in timeline.on(0) if e.is_compute] == ["0F0", "0F1", "0B0", "0B1"]
+
+
+def test_trace_files_of_replicas_merge_into_one_timeline(tmp_path: Path) -> None:
+    from conveyor.trace import load_run, trace_file_name
+
+    meta = {"ranks": 2, "replicas": 2, "tp": 1, "schedule": "1f1b"}
+    for replica in (0, 1):
+        for rank in (0, 1):
+            head = {"rank": rank, "replica": replica, "tp": 0, "meta": meta}
+            events = [
+                [f"{rank}F0", 10.0 + replica, 11.0 + replica, 0, 0],
+                [f"reduce {rank}", 12.0, 12.5, 0, 0],
+            ]
+            step = {"step": 3, "events": events}
+            path = tmp_path / trace_file_name(rank, replica)
+            path.write_text(json.dumps(head) + "\n" + json.dumps(step) + "\n")
+    timeline = load_run(tmp_path)
+    assert timeline.num_ranks == 4
+    assert [timeline.label(r) for r in range(4)] == [
+        "replica 0 rank 0", "replica 0 rank 1", "replica 1 rank 0", "replica 1 rank 1",
+    ]  # fmt: skip
+    assert [e.kind for e in timeline.on(3)] == ["forward", "reduce"]
+    assert "replica 1 rank 1" in timeline.summary_text()
+    (tmp_path / "replica1-rank1.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"lacks the trace files \['replica1-rank1.jsonl'\]"):
+        load_run(tmp_path)

@@ -25,6 +25,7 @@ from conveyor.schedule import SCHEDULES, ProgramError, build_program, validate
 from conveyor.simulator import simulate
 from conveyor.split import pop, skippable, stash, verify_skips
 from conveyor.trace import Timeline
+from conveyor.training import Throughput
 
 __all__ = [
     "MODEL_OUTPUT",
@@ -45,6 +46,7 @@ __all__ = [
     "ResumableLoader",
     "Stage",
     "StageGraph",
+    "Throughput",
     "Timeline",
     "Workload",
     "build_program",

@@ -8,7 +8,8 @@
 stages go), ``TrainingConfig`` (what a step computes: schedule, micro-batches, recomputation,
 loss, randomness) and ``RuntimeConfig`` (how ranks run it: timeouts, memory, tracing). Each
 section validates its own fields; fields are also set and read flat (``config.schedule``), as
-``Pipeline(model, schedule=...)`` takes them.
+``Pipeline(model, schedule=...)`` takes them. ``ParallelConfig`` says how the pipeline is
+replicated over a mesh: data-parallel replicas, FSDP, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from conveyor.runtime.recompute import RECOMPUTE_MODES, RecomputeMode
 
 __all__ = [
     "CHECKPOINT_DIR_ENV",
+    "DP_ENV",
     "PLAN_ENV",
+    "TP_ENV",
     "TRACE_ENV",
     "CheckpointConfig",
+    "ParallelConfig",
     "PipelineConfig",
     "RuntimeConfig",
     "SplitConfig",
@@ -49,6 +53,11 @@ TRACE_ENV = "CONVEYOR_TRACE_DIR"
 """Set by ``conveyor run --trace DIR``: every Pipeline then traces to DIR."""
 CHECKPOINT_DIR_ENV = "CONVEYOR_CHECKPOINT_DIR"
 """Set by ``conveyor run --checkpoint-dir DIR``; the default CheckpointConfig.directory."""
+DP_ENV = "CONVEYOR_DP"
+"""Set by ``conveyor run --dp N``: every Pipeline then runs N data-parallel replicas."""
+TP_ENV = "CONVEYOR_TP"
+"""Set by ``conveyor run --tp N``: every Pipeline then runs each stage on N tensor-parallel
+ranks."""
 
 SplitMethod = Literal["balance", "split_points", "stage_modules", "auto_split"]
 
@@ -234,8 +243,46 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineConfig(RuntimeConfig, TrainingConfig, SplitConfig):
-    """How to cut, schedule and run a model: the three sections' fields, set and read flat.
+class ParallelConfig:
+    """How the pipeline is replicated: the world is dp x pp x tp ranks on one DeviceMesh
+    (conveyor.parallel); See Note [pipeline mesh]."""
+
+    dp: int | None = None
+    """Data-parallel replicas of the pipeline, each fed its share of the global batch;
+    default: the size of the mesh's 'dp' dimension, else 1."""
+    pp: int | None = None
+    """Pipeline ranks of each replica; default: the mesh's 'pp' size, else what the world
+    leaves (world size / (dp x tp))."""
+    tp: int | None = None
+    """Tensor-parallel ranks of each stage (needs a TP plan: Pipeline(..., tp_plan=...));
+    default: the mesh's 'tp' size, else 1."""
+    fsdp: bool = False
+    """Shard each stage's parameters, gradients and optimizer state over the replicas
+    (FSDP2 fully_shard); off, every replica holds them whole (FSDP2's replicate). Either
+    way gradients are reduced once per step."""
+    reshard_after_forward: bool = False
+    """With fsdp: free the gathered parameters after each micro-batch's forward and gather
+    them again for its backward (less memory, two all-gathers per micro-batch); off, they
+    stay gathered from the step's first forward until its gradients are reduced."""
+    broadcast_loss: bool = False
+    """Pipeline.step returns the step's loss (the mean over replicas) on every rank, not
+    only on the last stage's: a one-number broadcast at the end of each step."""
+
+    def _check_parallel(self) -> None:
+        for name in ("dp", "pp", "tp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.reshard_after_forward and not self.fsdp:
+            raise ValueError(
+                "reshard_after_forward frees FSDP's gathered parameters, but fsdp is off; "
+                "pass fsdp=True as well, or drop reshard_after_forward"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig):
+    """How to cut, schedule, run and replicate a model: the sections' fields, set and read flat.
 
     Every field has a default that works on CPU.
     """
@@ -244,6 +291,13 @@ class PipelineConfig(RuntimeConfig, TrainingConfig, SplitConfig):
         self._check_split()
         self._check_training()
         self._check_runtime()
+        self._check_parallel()
+        if self.measure_memory and (self.dp or 1) > 1:
+            raise ValueError(
+                "measure_memory counts what autograd saves, and with data parallelism that "
+                "includes FSDP2's gathered parameters, which it cannot tell from activations; "
+                "measure activation memory with dp=1 (one replica), then scale out"
+            )
 
     @classmethod
     def from_dict(
@@ -344,7 +398,8 @@ def resolve(
     3. ``options`` (``Pipeline(model, schedule=..., ...)``);
     4. ``$CONVEYOR_PLAN`` (``conveyor run --plan FILE``): overrides the script;
     5. ``$CONVEYOR_TRACE_DIR`` (``conveyor run --trace DIR``): a trace directory, unless one
-       is set already.
+       is set already; ``$CONVEYOR_DP`` and ``$CONVEYOR_TP`` (``conveyor run --dp N --tp N``):
+       mesh sizes, unless set already.
     """
     config = config or PipelineConfig()
     if plan is not None:
@@ -355,6 +410,9 @@ def resolve(
         logger.info("using the plan in %s (conveyor run --plan)", environ[PLAN_ENV])
     if environ.get(TRACE_ENV) and config.trace_dir is None:
         config = config.replace(trace_dir=environ[TRACE_ENV])
+    for name, variable in (("dp", DP_ENV), ("tp", TP_ENV)):
+        if environ.get(variable) and getattr(config, name) is None:
+            config = config.replace(**{name: int(environ[variable])})
     return config
 
 

@@ -33,6 +33,13 @@ class ResumableLoader:
         batches = loader.forever()                  # epoch after epoch
         inputs, targets = next(batches)
 
+    With data parallelism, ``batch_size`` is the global batch and each replica takes its
+    share: ``ResumableLoader(dataset, 32, num_replicas=pipe.num_replicas,
+    replica=pipe.replica)`` yields replica r's contiguous ``32 / num_replicas`` samples of
+    each global batch (every rank of the replica the same ones), so over the replicas every
+    sample is used once per epoch, and the global batch is what one process would train on.
+    The position counts global batches: a checkpoint resumes at another number of replicas.
+
     The position counts the batches handed out, so a checkpoint taken after a step records
     that step's batch as used: a resumed run continues with the next batch, and every sample
     is used exactly once per epoch across any number of resumes. The position is a Stateful
@@ -50,9 +57,17 @@ class ResumableLoader:
         drop_last: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        num_replicas: int = 1,
+        replica: int = 0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= replica < num_replicas or batch_size % num_replicas:
+            raise ValueError(
+                f"replica {replica} of {num_replicas} cannot take an equal share of batches of "
+                f"{batch_size}; pass a global batch_size divisible by num_replicas and "
+                "0 <= replica < num_replicas (pipe.num_replicas, pipe.replica)"
+            )
         self.dataset = dataset
         self.num_samples = len(dataset)  # type: ignore[arg-type]  # map-style datasets have len
         self.batch_size = batch_size
@@ -61,6 +76,8 @@ class ResumableLoader:
         self.drop_last = drop_last
         self.collate_fn = collate_fn
         self.num_workers = num_workers
+        self.num_replicas = num_replicas
+        self.replica = replica
         if self.num_batches == 0:
             raise ValueError(
                 f"a dataset of {self.num_samples} samples gives no batch of "
@@ -82,12 +99,19 @@ class ResumableLoader:
         return self.num_batches
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """The sample indices of every batch of ``epoch``, in order."""
+        """The sample indices of every global batch of ``epoch``, in order."""
         order = epoch_order(self.num_samples, epoch, self.seed, self.shuffle)
         return [
             order[i : i + self.batch_size]
             for i in range(0, self.num_batches * self.batch_size, self.batch_size)
         ]
+
+    def share(self, batch: list[int]) -> list[int]:
+        """This replica's contiguous part of a global batch (parts differ by at most one
+        sample, for a last batch kept by ``drop_last=False``)."""
+        size, rest = divmod(len(batch), self.num_replicas)
+        start = self.replica * size + min(self.replica, rest)
+        return batch[start : start + size + (self.replica < rest)]
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch, from the current position."""
@@ -98,7 +122,7 @@ class ResumableLoader:
         generator = torch.Generator().manual_seed(_seed("workers", self.seed, epoch))
         loader = DataLoader(
             self.dataset,
-            batch_sampler=_Fixed(batches[start:]),
+            batch_sampler=_Fixed([self.share(b) for b in batches[start:]]),
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             generator=generator,

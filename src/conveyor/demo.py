@@ -2,6 +2,7 @@
 
     conveyor demo                      # 2 ranks, 1F1B, 8 micro-batches
     conveyor demo --schedule gpipe --checkpoint always
+    conveyor demo --ranks 4 --dp 2     # 2 data-parallel replicas of a 2-rank pipeline
 Each rank runs ``python -m conveyor.demo`` under torchrun.
 """
 
@@ -28,6 +29,7 @@ from conveyor.config import PipelineConfig
 from conveyor.models import gpt, gpt_loss, text_batches, unigram_entropy
 from conveyor.pipeline import Pipeline
 from conveyor.trace import load_run, write_chrome, write_png
+from conveyor.training import Throughput
 
 __all__ = ["DemoConfig", "progress_bar", "train"]
 
@@ -39,7 +41,7 @@ class DemoConfig:
     """What the demo trains and for how long."""
 
     ranks: int = 2
-    """Processes (pipeline ranks) to start."""
+    """Processes to start: pipeline ranks x data-parallel replicas (--dp)."""
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
@@ -66,7 +68,7 @@ class DemoConfig:
 
 def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
     """Train on this rank (torch.distributed must be initialized); returns every step's loss
-    on the rank that holds the last stage, an empty list elsewhere."""
+    (over every replica), on every rank."""
     torch.manual_seed(0)
     model = gpt(
         seq_len=demo.seq_len,
@@ -74,35 +76,34 @@ def train(demo: DemoConfig, pipeline: PipelineConfig) -> list[float]:
         num_layers=demo.num_layers,
         tie_embeddings=demo.tie_embeddings,
     )
-    pipe = Pipeline(model, pipeline, loss_fn=gpt_loss)
+    pipe = Pipeline(model, pipeline.replace(broadcast_loss=True), loss_fn=gpt_loss)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=demo.lr)
-    batches = text_batches(demo.batch_size, demo.seq_len, demo.steps)
-    is_last = pipe.rank == pipe.graph.rank_of(pipe.graph.sink)
-    tokens = demo.batch_size * demo.seq_len
+    if demo.batch_size % pipe.num_replicas:
+        raise ValueError(
+            f"batch_size {demo.batch_size} does not split over {pipe.num_replicas} replicas; "
+            "pass a multiple of --dp"
+        )
+    share = demo.batch_size // pipe.num_replicas
+    mine = slice(pipe.replica * share, (pipe.replica + 1) * share)
+    meter = Throughput(num_replicas=pipe.num_replicas, tokens_per_sample=demo.seq_len)
     losses: list[float] = []
     start = time.perf_counter()
-    bar = progress_bar(demo.steps, is_last)
+    shown = dist.get_rank() == 0
+    batches = text_batches(demo.batch_size, demo.seq_len, demo.steps)
+    bar = progress_bar(demo.steps, shown)
     with bar, logging_redirect_tqdm() if not bar.disable else contextlib.nullcontext():
         for step, (inputs, targets) in enumerate(batches, start=1):
-            loss = pipe.step(inputs, targets)
+            loss = pipe.step(inputs[mine], targets[mine])
             optimizer.step()
             optimizer.zero_grad()
-            if loss is None:
-                continue
-            losses.append(loss.item())  # free here: this rank computed the loss itself
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens * step / elapsed:,.0f}")
+            assert loss is not None  # broadcast_loss: on every rank
+            losses.append(loss.item())
+            rates = meter.update(demo.batch_size)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rates.tokens_per_s:,.0f}")
             bar.update()
-            if step % demo.log_every == 0:
-                logger.info(
-                    "step %d/%d | loss %.4f | %.1f ms/step | %.1fk tokens/s",
-                    step,
-                    demo.steps,
-                    losses[-1],
-                    elapsed / step * 1e3,
-                    tokens * step / elapsed / 1e3,
-                )
-    if is_last:
+            if shown and step % demo.log_every == 0:
+                logger.info("step %d/%d | loss %.4f | %s", step, demo.steps, losses[-1], rates)
+    if shown:
         _summary(demo, pipe, losses, time.perf_counter() - start)
     if pipeline.trace_dir:
         _render_trace(pipeline.trace_dir)

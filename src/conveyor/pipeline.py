@@ -10,24 +10,35 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from conveyor.config import PLAN_ENV, PipelineConfig, resolve
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
 from conveyor.inference.pipeline import DecodePipeline
+from conveyor.parallel import (
+    DataParallel,
+    PipelineMesh,
+    TPPlan,
+    parallelize_stages,
+    pipeline_mesh,
+)
+from conveyor.parallel.data_parallel import local
+from conveyor.parallel.tensor_parallel import check_plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.fingerprint import autocast_state, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
-from conveyor.runtime.loss import counted_tokens, loss_weights
+from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import Tie, TiedWeights, find_ties
 from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
@@ -42,7 +53,8 @@ from conveyor.split import (
 from conveyor.split.auto import auto_split
 from conveyor.split.export import place_on
 from conveyor.split.stages import EXPORTED
-from conveyor.trace import Recorder, Timeline, merge
+from conveyor.trace import REDUCE, Recorder, Timeline, merge, trace_file_name
+from conveyor.training import clip_grad_norm_, share_loss
 from conveyor.uninitialized import Unset
 from conveyor.weights import WeightFiles, materialize, save_stage_files, write_index
 
@@ -76,6 +88,8 @@ class Pipeline:
         concrete_args: dict[str, Any] | None = None,
         plan: str | os.PathLike[str] | None = None,
         example_inputs: Any = None,
+        mesh: DeviceMesh | None = None,
+        tp_plan: TPPlan | None = None,
         weights: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -90,6 +104,12 @@ class Pipeline:
         config = self.config = resolve(config, plan=plan, options=options)
         if config.keep_host_memory:
             keep_freed_memory()
+        self.mesh = _mesh(model, config, mesh, group, tp_plan)
+        """This rank's place in the dp x pp x tp mesh; None for one pipeline (no mesh)."""
+        if self.mesh is not None:
+            group = self.mesh.pp_group
+            shape = self.mesh.shape
+            config = self.config = config.replace(dp=shape.dp, pp=shape.pp, tp=shape.tp)
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -139,6 +159,9 @@ class Pipeline:
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, p2p)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
+        self.data_parallel = self._parallelize(tp_plan)
+        """This rank's stages over the replicas (FSDP2), or None with one replica."""
+        self.ties.rebind(self.stages)
         self._abandoned: str | None = None
         """What this Pipeline abandoned, after which it refuses to run; See Note [abandoned
         step] in conveyor.runtime.comm."""
@@ -156,10 +179,43 @@ class Pipeline:
         self._decoder: DecodePipeline | None = None
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
+        if self.data_parallel is not None:
+            self._runtime.on_weights_done = self._reduce_stage
         if config.trace or config.trace_dir:
             self._start_trace(p2p)
-        if self.rank == 0:
+        if self.rank == 0 if self.mesh is None else dist.get_rank() == 0:
             logger.info("%s", self.describe())
+            if self.mesh is not None:
+                logger.info("%s", self.mesh.layout(self.graph.stages_on))
+
+    def _parallelize(self, tp_plan: TPPlan | None) -> DataParallel | None:
+        """Split this rank's stages over the tensor-parallel ranks, then wrap them for data
+        parallelism; See Note [pipeline mesh]."""
+        mesh, config = self.mesh, self.config
+        if mesh is None:
+            return None
+        if mesh.tp_mesh is not None and tp_plan:
+            parallelize_stages(self.stages, mesh.tp_mesh, tp_plan)
+        if mesh.dp_mesh is None or mesh.num_replicas == 1:
+            if config.fsdp:
+                logger.warning("fsdp=True has nothing to shard over with one replica; ignored")
+            return None
+        return DataParallel(
+            self.stages,
+            mesh.dp_mesh,
+            fsdp=config.fsdp,
+            reshard_after_forward=config.reshard_after_forward,
+            reduction=config.loss_reduction,
+        )
+
+    def _reduce_stage(self, stage: int) -> None:
+        """Reduce a stage's gradients over the replicas as soon as its backward is done."""
+        assert self.data_parallel is not None
+        recorder = self.recorder
+        start = 0.0 if recorder is None else recorder.now()
+        self.data_parallel.stage_done(stage)
+        if recorder is not None:
+            recorder.add(f"{REDUCE} {stage}", start, recorder.now())
 
     def _materialize(
         self, ties: list[Tie], weights: str | os.PathLike[str] | None
@@ -191,18 +247,24 @@ class Pipeline:
         """Write the whole model's weights to ``directory`` (collective): each rank writes its
         stages' tensors as one safetensors shard, under the model's own names (a tied weight
         once), and rank 0 the index and, for a transformers model, its config, so that
-        ``from_pretrained(directory)`` (or ``load_file`` + ``load_state_dict``) reads it."""
+        ``from_pretrained(directory)`` (or ``load_file`` + ``load_state_dict``) reads it.
+
+        On a mesh, call it on every rank of the job: sharded tensors are gathered whole and
+        replica 0's first tensor-parallel pipeline writes them."""
         target = Path(directory)
         target.mkdir(parents=True, exist_ok=True)
-        shard = save_stage_files(self._own_tensors(), target, self.rank, self.num_ranks)
-        shards: list[Any] = [None] * self.num_ranks
-        dist.all_gather_object(shards, shard, group=self.group)
-        if self.rank == 0:
-            config = getattr(self._model, "config", None)
-            if config is not None and hasattr(config, "to_json_string"):
-                write_atomic(target / "config.json", config.to_json_string())
-            write_index(target, shards)
-        dist.barrier(group=self.group)
+        # gathering a DTensor is collective over its replicas and tensor-parallel ranks
+        tensors = {k: _whole(v) for k, v in self._own_tensors().items()}
+        if self.mesh is None or (self.replica == 0 and self.mesh.tp_index == 0):
+            shard = save_stage_files(tensors, target, self.rank, self.num_ranks)
+            shards: list[Any] = [None] * self.num_ranks
+            dist.all_gather_object(shards, shard, group=self.group)
+            if self.rank == 0:
+                config = getattr(self._model, "config", None)
+                if config is not None and hasattr(config, "to_json_string"):
+                    write_atomic(target / "config.json", config.to_json_string())
+                write_index(target, shards)
+        dist.barrier(group=self.group if self.mesh is None else None)
         return target
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
@@ -211,7 +273,7 @@ class Pipeline:
         state: dict[str, torch.Tensor] = {}
         written: set[tuple[int, tuple[int, ...]]] = set()
         for name, tensor in self.state_dict().items():
-            where = (tensor.data_ptr(), tuple(tensor.shape))
+            where = (local(tensor).data_ptr(), tuple(tensor.shape))
             if where not in written:  # one tensor under two names in one stage: once
                 written.add(where)
                 state[name] = tensor
@@ -228,7 +290,13 @@ class Pipeline:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
         Returns the batch's loss (detached) on the rank that holds the last stage, None on the
-        others. Call the optimizer and ``zero_grad`` as in plain training.
+        others; with ``broadcast_loss``, the step's loss over every replica, on every rank.
+        With data parallelism the last stage's loss is its replica's part of the global
+        batch's mean loss times the number of replicas: its own mean loss when the replicas'
+        counts (samples, or counted tokens) are equal.
+        Call the optimizer and ``zero_grad`` as in plain training. With data parallelism,
+        each replica passes its own share of the global batch (conveyor.data.ResumableLoader
+        with ``num_replicas``), the same on every rank of the replica.
         """
         recorder = self.recorder
         if recorder is not None:
@@ -237,13 +305,18 @@ class Pipeline:
         self._check_usable()
         step_inputs = self._inputs(inputs, targets, True)
         with self._abandoning(f"step {self.step_index}"), self.ties.summing_gradients():
+            if self.data_parallel is not None:
+                self.data_parallel.begin_step()
             state = self._runtime.run(self.program[self.rank], step_inputs)
+            if self.data_parallel is not None:
+                self.data_parallel.end_step()
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1
-        if not state.losses:
-            return None
-        return torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
+        loss = None
+        if state.losses:
+            loss = torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
+        return share_loss(self, loss) if self.config.broadcast_loss else loss
 
     def _check_loss(self, targets: Any) -> None:
         """A loss_fn with targets, or no loss_fn and labels for the model's own loss."""
@@ -271,6 +344,8 @@ class Pipeline:
         step_inputs = self._inputs(inputs, None, False)
         with torch.no_grad(), self._abandoning("a forward"):
             state = self._runtime.run(self._inference[self.rank], step_inputs)
+        if self.data_parallel is not None:
+            self.data_parallel.reshard()
         if not state.model_outputs:
             return None
         return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
@@ -364,6 +439,8 @@ class Pipeline:
             "ranks": self.num_ranks,
             "split_points": list(self.split_points),
             "checkpoint": list(self.config.stage_checkpoint or [self.config.checkpoint]),
+            "replicas": self.num_replicas,
+            "tp": 1 if self.mesh is None else self.mesh.shape.tp,
         }
 
     def _start_trace(self, p2p: P2P) -> None:
@@ -373,19 +450,25 @@ class Pipeline:
         self.recorder = recorder
         if self.config.trace_dir:
             directory = os.path.abspath(self.config.trace_dir)
-            os.makedirs(directory, exist_ok=True)
-            # line-buffered: each step is on disk when step() returns, even if the run dies
-            path = os.path.join(directory, f"rank{self.rank}.jsonl")
-            sink = open(path, "w", buffering=1)  # noqa: SIM115  # closed by the finalizer below
-            sink.write(json.dumps({**recorder.header(), "meta": self._trace_meta()}) + "\n")
-            recorder.sink = sink
-            weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
-            if self.rank == 0:
+            recorder.sink = self._trace_file(recorder, directory)
+            if self.rank == 0 if self.mesh is None else dist.get_rank() == 0:
                 logger.info(
                     "tracing to %s; render with `conveyor trace %s`",
                     directory,
                     self.config.trace_dir,
                 )
+
+    def _trace_file(self, recorder: Recorder, directory: str) -> TextIO:
+        """This rank's trace file (one per replica and stage rank), its header written;
+        line-buffered, so each step is on disk when step() returns, even if the run dies."""
+        os.makedirs(directory, exist_ok=True)
+        tp_index = 0 if self.mesh is None else self.mesh.tp_index
+        name = trace_file_name(self.rank, None if self.mesh is None else self.replica, tp_index)
+        sink = open(os.path.join(directory, name), "w", buffering=1)  # noqa: SIM115
+        weakref.finalize(self, sink.close)  # flushed when the Pipeline goes, or at exit
+        head = {**recorder.header(), "replica": self.replica, "tp": tp_index}
+        sink.write(json.dumps({**head, "meta": self._trace_meta()}) + "\n")
+        return sink
 
     def _inputs(self, inputs: Any, targets: Any, is_training: bool) -> StepInputs:
         m = self.config.num_microbatches
@@ -399,7 +482,13 @@ class Pipeline:
                 f"and needs its labels; pass them in the batch, e.g. {{'input_ids': ids, "
                 f"'{LABELS}': ids}}"
             )
-        weights = self._loss_weights(chunks, split_targets) if size else [1.0] * m
+        weights = [1.0] * m
+        if size:
+            kind, counts = self._loss_counts(chunks, split_targets)
+            data = self.data_parallel if is_training else None
+            weights = (
+                loss_weights(kind, counts) if data is None else data.loss_weights(kind, counts)
+            )
         where = f"rank {self.rank} (stages {list(self.stages)})"
         mine = fingerprint(
             bound, targets, is_training, self.device, size, self._unset.problem(where)
@@ -411,20 +500,46 @@ class Pipeline:
             weights,
             self.step_index,
             is_training,
-            mine,
+            fingerprint=mine,
+            first_microbatch=self.replica * m,
         )
 
-    def _loss_weights(self, chunks: list[dict[str, Any]], targets: list[Any] | None) -> list[float]:
-        """Each micro-batch's weight in the step's loss (conveyor.runtime.loss): by what its
-        loss averages over."""
+    def _loss_counts(
+        self, chunks: list[dict[str, Any]], targets: list[Any] | None
+    ) -> tuple[LossReduction, list[int]]:
+        """How micro-batch losses add up and what each averages over (samples, or counted
+        tokens); conveyor.runtime.loss turns them into the micro-batches' weights."""
         reduction = self.config.loss_reduction
         own_loss = self.loss_fn is None and chunks and chunks[0].get(LABELS) is not None
         if own_loss and isinstance(self._model, nn.Module):  # the model's own loss
             counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks])
-            return loss_weights("sum" if reduction == "sum" else "mean", counts)
+            return ("sum" if reduction == "sum" else "mean"), counts
         if reduction == "token_mean" and targets is not None:
-            return loss_weights(reduction, [counted_tokens(t) for t in targets])
-        return loss_weights(reduction, [microbatch.batch_size(c) or 0 for c in chunks])
+            return reduction, [counted_tokens(t) for t in targets]
+        return reduction, [microbatch.batch_size(c) or 0 for c in chunks]
+
+    # -- the mesh ---------------------------------------------------------------------------
+
+    @property
+    def replica(self) -> int:
+        """Index of this rank's replica (0 without data parallelism)."""
+        return 0 if self.mesh is None else self.mesh.replica
+
+    @property
+    def num_replicas(self) -> int:
+        return 1 if self.mesh is None else self.mesh.num_replicas
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the whole model's gradients to a global norm of at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` clips a plain model's; returns the norm before
+        clipping, on every rank. Collective: call it on every rank of the job.
+
+        The norm is over every stage, replica and shard, a weight tied across stages counted
+        once; See Note [global gradient norm] in conveyor.training.
+        """
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     # -- the local part of the model ------------------------------------------------------
 
@@ -464,7 +579,11 @@ class Pipeline:
                     f"{' ...' if len(missing) > 5 else ''}; pass a state_dict of the "
                     "same model, or strict=False to keep the current values"
                 )
-            module.load_state_dict({k: state[k] for k in wanted if k in state}, strict=False)
+            current = module.state_dict()
+            module.load_state_dict(
+                {k: _placed_like(state[k], current[k]) for k in wanted if k in state},
+                strict=False,
+            )
 
     def train(self, mode: bool = True) -> Pipeline:
         for module in self.stages.values():
@@ -490,13 +609,69 @@ class Pipeline:
     def describe(self) -> str:
         """One line: the plan, as logged at start-up."""
         estimate = simulate(self.program, self.topology)
+        mesh = "" if self.mesh is None else f"mesh {self.mesh.shape}{' fsdp' * self.config.fsdp} "
         return (
-            f"schedule={self.config.schedule} stages={self.graph.num_stages} "
+            f"{mesh}schedule={self.config.schedule} stages={self.graph.num_stages} "
             f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
             f"{_split_summary(self.graph, self.split_points)} "
             f"checkpoint={self.config.checkpoint} "
             f"est. bubble={estimate.bubble_fraction:.0%}"
         )
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on this rank: a DTensor's shards gathered (collective), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _placed_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor) as this rank's part of ``current`` when that is a DTensor
+    (data or tensor parallelism): each rank slices its own shard, without communication."""
+    if not isinstance(current, DTensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(
+        value.to(current.device), current.device_mesh, current.placements, src_data_rank=None
+    )
+
+
+def _mesh(
+    model: nn.Module | StageGraph,
+    config: PipelineConfig,
+    mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+    tp_plan: TPPlan | None,
+) -> PipelineMesh | None:
+    """The mesh of ``mesh=`` or of the config's sizes (None: one pipeline over ``group``);
+    every check runs before any communication. See Note [pipeline mesh]."""
+    sized = any(size not in (None, 1) for size in (config.dp, config.tp))
+    if group is not None and (mesh is not None or sized):
+        raise ValueError(
+            "pass group= (one pipeline over a process group of your own) or a mesh (mesh=, "
+            "or sizes dp=, pp=, tp=), not both"
+        )
+    names = list(mesh.mesh_dim_names or ()) if mesh is not None else []
+    tp = mesh.size(names.index("tp")) if mesh is not None and "tp" in names else config.tp or 1
+    if tp > 1 and not tp_plan:
+        raise ValueError(
+            f"tp={tp} splits every stage over {tp} ranks, which needs a plan: pass "
+            'tp_plan={"module.name": ColwiseParallel(), ...} (torch.distributed.tensor.parallel)'
+        )
+    if tp_plan and tp == 1:
+        raise ValueError(
+            "tp_plan is given but there is no tensor parallelism; pass tp=N, or a mesh with "
+            "a 'tp' dimension"
+        )
+    if tp_plan:
+        check_plan(tp_plan, _module_names(model))
+    if group is not None:
+        return None
+    timeout = timedelta(seconds=config.timeout_s)
+    return pipeline_mesh(mesh, config.dp, config.pp, config.tp, dist.get_world_size(), timeout)
+
+
+def _module_names(model: nn.Module | StageGraph) -> list[str]:
+    modules = [model] if isinstance(model, nn.Module) else [s.module for s in model.stages]
+    return [name for m in modules if m is not None for name, _ in m.named_modules()]
 
 
 def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:

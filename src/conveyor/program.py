@@ -16,6 +16,7 @@ __all__ = [
     "Kind",
     "Program",
     "add_communication",
+    "last_weight_actions",
     "matching_recv",
     "receives_needed",
     "sends_after",
@@ -172,6 +173,14 @@ class Program:
         if num_microbatches is None:
             num_microbatches = 1 + max(a.microbatch for actions in ranks for a in actions)
         return cls(tuple(ranks), num_microbatches)
+
+
+def last_weight_actions(actions: Sequence[Action]) -> dict[int, int]:
+    """{index of the last action adding to each stage's weight gradients (its last B or W)
+    in one rank's ``actions``: that stage}. Data parallelism reduces the stage's gradients
+    right after it, in the runtime and in the simulator alike."""
+    last = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+    return {i: s for s, i in last.items()}
 
 
 def receives_needed(

@@ -15,8 +15,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from conveyor.graph import StageGraph
-from conveyor.program import Action, Kind, Program, matching_recv, receives_needed
-from conveyor.trace import RECOMPUTE, WAIT, Event, Timeline
+from conveyor.program import (
+    Action,
+    Kind,
+    Program,
+    last_weight_actions,
+    matching_recv,
+    receives_needed,
+)
+from conveyor.trace import RECOMPUTE, REDUCE, WAIT, Event, Timeline
 
 __all__ = ["CostModel", "DeadlockError", "Execution", "UnitCost", "execute", "simulate"]
 
@@ -144,6 +151,8 @@ class _Execution:
         self.after_input = getattr(cost, "activation_after_input", None)
         self.resident = getattr(cost, "resident_bytes", None)
         self.recompute = getattr(cost, "recompute", None)
+        self.reduce = getattr(cost, "reduce", None)
+        self.reduced_after = [last_weight_actions(actions) for actions in program]
 
     def run(self) -> Timeline:
         program = self.program
@@ -249,6 +258,11 @@ class _Execution:
         self.peak[rank] = max(self.peak[rank], self.held[rank])
         self.busy[rank] += end - clock
         self.clock[rank] = end
+        stage = self.reduced_after[rank].get(self.pc[rank])
+        seconds = 0.0 if stage is None or self.reduce is None else self.reduce(stage)
+        if seconds > 0:
+            self.clock[rank] = end + seconds
+            self.add(Event(rank, f"{REDUCE} {stage}", end, self.clock[rank]))
         return True
 
     def _account(self, rank: int, action: Action) -> None:

@@ -18,13 +18,18 @@ import torch.distributed as dist
 # (and transformers' ModelOutput, which registers itself), so a third-party pytree (optree)
 # would disagree with it. Replace with ``torch.utils.pytree`` once torch makes it public.
 import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "backend_options",
     "close_gloo_group",
     "default_store",
     "flatten_state_dict",
+    "fsdp_reduce_gradients",
     "grad_unchecked",
     "pytree",
+    "replicate",
     "tensor_version",
 ]
 """Internal to conveyor: listed so that its modules may import them."""
@@ -118,3 +123,58 @@ def tensor_version(tensor: torch.Tensor) -> int:
     tell whether anything has written a tensor since it was allocated."""
     version: int = tensor._version
     return version
+
+
+def replicate(module: nn.Module, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> None:
+    """Data parallelism without sharding on FSDP2's machinery: parameters stay whole on every
+    replica (DTensors placed ``Replicate()``), gradients are all-reduced. It is the DDP that
+    composes with ``fully_shard``, tensor parallelism and split backward (DDP itself reduces
+    from autograd hooks that a deferred weight gradient never fires), and what
+    ``torch.distributed.pipelining`` and torchtitan use; torch has it only under
+    ``torch.distributed._composable.replicate_with_fsdp`` so far. Replace with its public
+    name once it has one."""
+    from torch.distributed._composable.replicate_with_fsdp import (
+        replicate as replicate_with_fsdp,  # private: see above
+    )
+
+    replicate_with_fsdp(module, mesh=mesh, ignored_params=ignored_params)
+
+
+def fsdp_reduce_gradients(module: nn.Module) -> None:
+    """Reduce now the gradients an FSDP2 module (``fully_shard`` or ``replicate``) accumulated
+    with gradient sync off, and reshard its parameters: its post-backward, run by hand.
+
+    FSDP2 reduces from autograd hooks on a module's inputs, which run with the input gradient;
+    a pipeline's split backward computes the weight gradients later (W), outside any hook, so
+    the reduction must be started once the stage's last W has run. torch has no public call
+    for it; this is what ``torch.distributed.pipelining``'s stage does
+    (``_PipelineStageBase.perform_reduce_grad``). Replace with a public FSDPModule method
+    once one exists.
+    """
+    from torch.distributed._composable import replicate_with_fsdp  # private: see above
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    assert isinstance(module, FSDPModule), "only FSDP2 modules reduce gradients"
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    is_replicated = isinstance(module, replicate_with_fsdp.ReplicateModule)
+    owner = replicate_with_fsdp.replicate if is_replicated else fully_shard
+    state = owner.state(module)  # type: ignore[union-attr]  # set by torch's @contract
+    for each in state._state_ctx.all_states:
+        for param_group in each._fsdp_param_groups:
+            param_group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def backend_options(backend: str, timeout: timedelta) -> Any:
+    """Options for the groups ``init_device_mesh`` creates (its ``backend_override``) that
+    make their collectives give up after ``timeout``, so a rank whose replica died fails in
+    bounded time instead of the default 30 minutes. The timeout is the options' ``_timeout``
+    (``init_device_mesh`` reads it there itself); gloo's options class is ``_Options``.
+    Replace once ``init_device_mesh`` takes a timeout."""
+    group_class: Any = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
+    options = getattr(group_class, "_Options", None) or group_class.Options
+    made = options()
+    made._timeout = timeout
+    return made

@@ -23,6 +23,7 @@ from conveyor.files import atomic_path, write_atomic
 
 __all__ = [
     "RECOMPUTE",
+    "REDUCE",
     "WAIT",
     "Event",
     "RankSummary",
@@ -32,6 +33,7 @@ __all__ = [
     "load_run",
     "merge",
     "render_grid",
+    "trace_file_name",
     "write_chrome",
     "write_png",
 ]
@@ -44,6 +46,10 @@ WAIT = "wait"
 RECOMPUTE = "recompute"
 """Action name prefix of a recomputation: ``recompute 1F0`` is stage 1 running micro-batch 0's
 forward again inside its backward (activation checkpointing); the backward's event spans it."""
+
+REDUCE = "reduce"
+"""Action name prefix of a data-parallel gradient reduction: ``reduce 1`` reduces stage 1's
+gradients over the replicas (conveyor.parallel.data_parallel)."""
 
 _ACTION = re.compile(r"^(\d+)(F|B|I|W|SF|RF|SB|RB)(\d+)(?:[<>](\d+))?$")
 _KIND_NAMES = {
@@ -80,11 +86,13 @@ class Event:
     @property
     def kind(self) -> str:
         """'forward', 'backward', 'backward_input', 'backward_weight', 'send', 'recv', 'wait',
-        'recompute'."""
+        'recompute' or 'reduce'."""
         if self.action.startswith(WAIT):
             return "wait"
         if self.action.startswith(RECOMPUTE + " "):
             return "recompute"
+        if self.action.startswith(REDUCE):
+            return "reduce"
         match = _ACTION.match(self.action)
         return _KIND_NAMES[match.group(2)] if match else "other"
 
@@ -142,6 +150,11 @@ class Timeline:
     def on(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
 
+    def label(self, rank: int) -> str:
+        """The name of a row: 'rank 1', or 'replica 0 rank 1' in a run of several replicas."""
+        labels = self.meta.get("row_labels")
+        return str(labels[rank]) if labels else f"rank {rank}"
+
     @property
     def start(self) -> float:
         return min((e.start for e in self.events), default=0.0)
@@ -172,8 +185,8 @@ class Timeline:
         """Seconds ``rank`` was blocked on communication rather than on a peer's compute.
 
         A wait on a receive counts from the moment the sender started the matching send (before
-        that, the rank waits for the peer's compute: a bubble); sends, posted receives and the
-        final wait for outstanding sends count whole.
+        that, the rank waits for the peer's compute: a bubble); sends, posted receives,
+        data-parallel reductions and the final wait for outstanding sends count whole.
         """
         sends: dict[str, list[float]] = {}  # several steps send under one name: in time order
         for e in sorted(self.events, key=lambda e: e.start):
@@ -181,7 +194,7 @@ class Timeline:
                 sends.setdefault(e.action, []).append(e.start)
         total = 0.0
         for event in self.on(rank):
-            if event.kind in ("send", "recv"):
+            if event.kind in ("send", "recv", "reduce"):
                 total += event.duration
             elif event.kind == "wait":
                 target = event.waited_for
@@ -208,13 +221,17 @@ class Timeline:
 
     def summary_text(self) -> str:
         """The summary as a small table, with the step time and bubble fraction on top."""
+        labels = self.meta.get("row_labels")  # replicas: 'replica 0 rank 1', else the rank
+        names = [str(labels[r]) if labels else str(r) for r in range(self.num_ranks)]
+        width = max(4, *map(len, names))
         lines = [
             f"{self.title()}",
-            f"{'rank':>4}  {'busy':>6}  {'bubble':>6}  {'comm wait':>9}  {'peak act.':>10}",
+            f"{'' if labels else 'rank':>{width}}  {'busy':>6}  {'bubble':>6}  "
+            f"{'comm wait':>9}  {'peak act.':>10}",
         ]
         for row in self.summary():
             lines.append(
-                f"{row.rank:>4}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
+                f"{names[row.rank]:>{width}}  {row.busy:>6.1%}  {row.bubble:>6.1%}  "
                 f"{row.comm_wait:>9.1%}  "
                 f"{_bytes(row.peak_memory) if row.peak_memory else '-':>10}"
             )
@@ -426,19 +443,30 @@ def _clipped(parts: Sequence[Timeline]) -> tuple[list[Event], float]:
     return clipped, origin
 
 
+def trace_file_name(rank: int, replica: int | None = None, tp_index: int = 0) -> str:
+    """The trace file of a pipeline rank: ``rank<N>.jsonl``, or with a mesh
+    ``replica<R>-rank<N>.jsonl`` (``replica<R>-tp<T>-rank<N>.jsonl`` with tensor parallelism)."""
+    if replica is None:
+        return f"rank{rank}.jsonl"
+    return f"replica{replica}-{f'tp{tp_index}-' if tp_index else ''}rank{rank}.jsonl"
+
+
 def load_run(
     directory: str | Path, step: int | None = None, last_step: int | None = None
 ) -> Timeline:
     """The Timeline of one step of a run recorded with ``--trace DIR`` (default: the last step
     every rank recorded), or of steps ``step`` to ``last_step`` on one time axis (the time
-    between them, the optimizer's, shows as idle).
+    between them, the optimizer's, shows as idle). The files of several replicas (and
+    tensor-parallel ranks) become one Timeline, a row per (replica, tp rank, pipeline rank),
+    labelled ``replica R rank N``.
 
     Raises:
-        FileNotFoundError: the directory holds no ``rank*.jsonl`` files.
-        ValueError: a requested step was not recorded by every rank.
+        FileNotFoundError: the directory holds no trace files.
+        ValueError: a rank's file is missing, or a requested step was not recorded by every
+            rank.
     """
-    per_rank, meta = _read_run(directory)
-    common = set.intersection(*(set(steps) for steps in per_rank.values()))
+    per_row, rows, meta = _read_run(directory)
+    common = set.intersection(*(set(steps) for steps in per_row.values()))
     if not common:
         raise ValueError(f"the ranks in {str(directory)!r} recorded no step in common")
     first = max(common) if step is None else step
@@ -451,47 +479,68 @@ def load_run(
             f"step {missing[0]} was not recorded by every rank; recorded steps: "
             f"{min(common)}..{max(common)}"
         )
-    num_ranks = int(meta["ranks"])
     events: list[Event] = []
     origins = []
     for chosen in range(first, last + 1):
         parts = [
-            Timeline(num_ranks, [Event(rank, a, s, e, b, m) for a, s, e, b, m in rows[chosen]])
-            for rank, rows in per_rank.items()
+            Timeline(
+                len(rows), [Event(row, a, s, e, b, m) for a, s, e, b, m in per_row[key][chosen]]
+            )
+            for row, key in enumerate(rows)
         ]
         clipped, origin = _clipped(parts)
         events += clipped
         origins.append(origin)
     events.sort(key=lambda e: (e.rank, e.start))
     where = {"step": first} if first == last else {"steps": [first, last]}
-    return Timeline(num_ranks, events, "measured", {**meta, **where}).shifted(origins[0])
+    return Timeline(len(rows), events, "measured", {**meta, **where}).shifted(origins[0])
 
 
-def _read_run(directory: str | Path) -> tuple[dict[int, dict[int, list[Any]]], dict[str, Any]]:
-    """Each rank's recorded steps (step -> event rows) and the run's meta, from its files."""
-    files = sorted(Path(directory).glob("rank*.jsonl"))
+_Row = tuple[int, int, int]
+"""(replica, tp rank, pipeline rank) of a trace file."""
+
+
+def _read_run(
+    directory: str | Path,
+) -> tuple[dict[_Row, dict[int, list[Any]]], list[_Row], dict[str, Any]]:
+    """Each file's recorded steps (step -> event rows), the rows in order, and the run's meta
+    (with ``row_labels`` for a mesh)."""
+    files = sorted(Path(directory).glob("*rank*.jsonl"))
     if not files:
         raise FileNotFoundError(
             f"no trace files (rank*.jsonl) in {str(directory)!r}; record "
             "a run with `conveyor run --trace DIR` or "
             "`conveyor demo --trace DIR`"
         )
-    per_rank: dict[int, dict[int, list[Any]]] = {}
+    per_row: dict[_Row, dict[int, list[Any]]] = {}
     meta: dict[str, Any] = {}
     for path in files:
         lines = path.read_text().splitlines()
         head = json.loads(lines[0])
         meta.update(head.get("meta", {}))
-        per_rank[int(head["rank"])] = {
+        key = (int(head.get("replica", 0)), int(head.get("tp", 0)), int(head["rank"]))
+        per_row[key] = {
             row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))
         }
-    meta.setdefault("ranks", 1 + max(per_rank))
-    if len(per_rank) < int(meta["ranks"]):
+    num_ranks = int(meta.get("ranks", 1 + max(k[2] for k in per_row)))
+    replicas, tp = int(meta.get("replicas", 1)), int(meta.get("tp", 1))
+    rows = [(r, t, p) for r in range(replicas) for t in range(tp) for p in range(num_ranks)]
+    is_mesh = len(rows) > num_ranks
+    lacking = [
+        trace_file_name(p, r if is_mesh else None, t)
+        for r, t, p in rows
+        if (r, t, p) not in per_row
+    ]
+    if lacking:
         raise ValueError(
-            f"{str(directory)!r} holds trace files of ranks {sorted(per_rank)}, but "
-            f"the run had {meta['ranks']} ranks; copy every rank's rank<N>.jsonl there"
+            f"{str(directory)!r} lacks the trace files {lacking[:4]}: the run had "
+            f"{len(rows)} ranks; copy every rank's file there"
         )
-    return per_rank, meta
+    if is_mesh:
+        meta["row_labels"] = [
+            f"replica {r}{f' tp {t}' if tp > 1 else ''} rank {p}" for r, t, p in rows
+        ]
+    return per_row, rows, meta
 
 
 # -- renderers -------------------------------------------------------------------------------
@@ -529,7 +578,8 @@ def chrome_trace(*timelines: Timeline) -> dict[str, Any]:
         origin = timeline.start
         for rank in range(timeline.num_ranks):
             pid = index * timeline.num_ranks + rank if len(timelines) > 1 else rank
-            name = f"{timeline.source} rank {rank}" if len(timelines) > 1 else f"rank {rank}"
+            name = timeline.label(rank)
+            name = f"{timeline.source} {name}" if len(timelines) > 1 else name
             events.append(
                 {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
             )
@@ -593,6 +643,7 @@ _COLORS = {
     "send": "#C44E52",
     "recv": "#DD8452",
     "wait": "#D0D0D0",
+    "reduce": "#8172B3",
     "other": "#999999",
 }
 
@@ -640,6 +691,7 @@ def write_png(
             "wait",
             "send",
             "recv",
+            "reduce",
         )
         if any(e.kind == k for t in timelines for e in t.events)
     ]
@@ -690,6 +742,6 @@ def _gantt(ax: Any, timeline: Timeline, unit: float, span: float) -> None:
                     y - 0.43, max(width, span / 2000), left=left, height=0.1, color=_COLORS[e.kind]
                 )
     ax.set_yticks(range(timeline.num_ranks))
-    ax.set_yticklabels([f"rank {r}" for r in reversed(range(timeline.num_ranks))])
+    ax.set_yticklabels([timeline.label(r) for r in reversed(range(timeline.num_ranks))])
     ax.set_xlim(0, span * 1.01)
     ax.set_title(timeline.title(), fontsize=10)

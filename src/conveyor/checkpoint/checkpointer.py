@@ -112,11 +112,14 @@ class Checkpointer:
         for step in range(start, num_steps): ...; ckpt.maybe_save(step + 1)
         ckpt.close()                            # waits for the last save
 
-    Create it on every rank of the pipeline: it creates a gloo process group of the
-    pipeline's ranks for checkpoint traffic, so background writes never interleave with the
-    pipeline's messages (with several pipelines in one job, create them in the same order on
-    every rank, as torch names process groups by count). ``options`` are CheckpointConfig
-    fields. Checkpoints are pickled objects as well as tensors: load only those you trust.
+    Create it on every rank of the pipeline, or of the whole mesh with data parallelism (one
+    checkpoint per step for every replica: replicated state is written once, FSDP shards by
+    DCP, and it loads at another number of replicas, with FSDP on or off). It creates a gloo
+    process group of those ranks for checkpoint traffic, so background writes never
+    interleave with the pipeline's messages (with several pipelines in one job, create them
+    in the same order on every rank, as torch names process groups by count). ``options``
+    are CheckpointConfig fields. Checkpoints are pickled objects as well as tensors: load
+    only those you trust.
     """
 
     def __init__(
@@ -147,14 +150,17 @@ class Checkpointer:
         _check_stateful(data, "data")
         self._module = rank_module(pipe)
         _check_optimizer(optimizer, self._module)
-        ranks = None if pipe.group is None else dist.get_process_group_ranks(pipe.group)
         self.timeout = timedelta(seconds=config.timeout_s or pipe.config.timeout_s)
         """Longest wait for the other ranks: CheckpointConfig.timeout_s, else the pipeline's."""
-        # only the pipeline's ranks take part, so each pipeline of a larger job has its own
+        # a pipeline over a group of its own saves alone (its ranks make the group, which
+        # torch names by how many groups each of them knows); on a mesh every replica takes
+        # part (one checkpoint for the job: DCP writes replicated state once, shards by
+        # offset), and every rank makes the group, named by a count all ranks agree on
+        alone = pipe.group is not None and pipe.mesh is None
         self._group = dist.new_group(
-            ranks,
+            dist.get_process_group_ranks(pipe.group) if alone else None,
             backend="gloo",
-            use_local_synchronization=True,
+            use_local_synchronization=alone,
             timeout=self.timeout,
         )
         self._ranks = dist.get_process_group_ranks(self._group)

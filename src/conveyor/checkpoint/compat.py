@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.stateful import Stateful
 
 from conveyor.checkpoint.manifest import MANIFEST, METADATA, CheckpointError, Manifest, Problem
-from conveyor.checkpoint.state import LAYOUT_FIELDS, NUMERICS_FIELDS
+from conveyor.checkpoint.state import LAYOUT_DEFAULTS, LAYOUT_FIELDS, NUMERICS_FIELDS
 from conveyor.torch_compat import flatten_state_dict
 
 __all__ = ["check_keys", "check_layout"]
@@ -35,8 +35,9 @@ def check_layout(
 ) -> None:
     """Raise CheckpointError unless the layout ``now`` may load the checkpoint at ``path``:
     a change of split or placement needs ``allow_reshard``, a change of the arithmetic
-    (schedule, micro-batches, loss reduction, seed) ``allow_numerics_change``."""
-    saved = manifest.layout
+    (schedule, micro-batches, data-parallel replicas, loss reduction, seed)
+    ``allow_numerics_change``."""
+    saved = {**LAYOUT_DEFAULTS, **manifest.layout}
     layout = [
         f"{f} {saved.get(f)!r} -> {now[f]!r}" for f in LAYOUT_FIELDS if saved.get(f) != now[f]
     ]

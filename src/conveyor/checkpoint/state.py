@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from conveyor.pipeline import Pipeline
 
 __all__ = [
+    "LAYOUT_DEFAULTS",
     "LAYOUT_FIELDS",
     "NUMERICS_FIELDS",
     "ModelState",
@@ -35,12 +36,15 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed by parameter name, one entry per parameter and hyperparameter
 (``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so it reshards like the model."""
 
-LAYOUT_FIELDS = ("split_points", "placement", "num_stages", "num_ranks")
-"""How the model is cut and placed. Changing them moves parameters between ranks but computes
-the same thing: each stage still runs its micro-batches in the schedule's order."""
-NUMERICS_FIELDS = ("schedule", "num_microbatches", "loss_reduction", "seed")
+LAYOUT_FIELDS = ("split_points", "placement", "num_stages", "num_ranks", "tp", "fsdp")
+"""How the model is cut, placed and sharded. Changing them moves parameters between ranks
+but computes the same thing: each stage still runs its micro-batches in the schedule's order."""
+NUMERICS_FIELDS = ("schedule", "num_microbatches", "loss_reduction", "seed", "dp")
 """Changing these changes the arithmetic: summation order of micro-batch gradients and losses
-(schedule, micro-batches), the loss's scale, or the dropout streams (seed)."""
+(schedule, micro-batches, data-parallel replicas, whose gradients are summed by an
+all-reduce), the loss's scale, or the dropout streams (seed)."""
+LAYOUT_DEFAULTS = {"dp": 1, "tp": 1, "fsdp": False}
+"""What a manifest written before data parallelism means by a field it lacks."""
 
 
 def describe_layout(pipe: Pipeline) -> dict[str, Any]:
@@ -50,6 +54,9 @@ def describe_layout(pipe: Pipeline) -> dict[str, Any]:
         "placement": [stage.rank for stage in pipe.graph.stages],
         "num_stages": pipe.graph.num_stages,
         "num_ranks": pipe.num_ranks,
+        "dp": pipe.num_replicas,
+        "tp": 1 if pipe.mesh is None else pipe.mesh.shape.tp,
+        "fsdp": pipe.config.fsdp and pipe.num_replicas > 1,
         "schedule": str(pipe.config.schedule),
         "num_microbatches": pipe.config.num_microbatches,
         "loss_reduction": pipe.config.loss_reduction,

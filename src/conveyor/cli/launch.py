@@ -1,8 +1,9 @@
 """Start ranks with torchrun, after taking conveyor's own options off its arguments.
 
-    torchrun(take_run_options(["--trace", "runs/t", "-n", "2", "train.py", "--lr", "1e-3"]))
+    torchrun(take_run_options(["--trace", "runs/t", "-n", "4", "--dp", "2", "train.py"]))
 conveyor's options come before the script and reach every rank as environment variables
-(conveyor.config: PLAN_ENV, TRACE_ENV, CHECKPOINT_DIR_ENV); everything else is torchrun's.
+(conveyor.config: PLAN_ENV, TRACE_ENV, CHECKPOINT_DIR_ENV, DP_ENV, TP_ENV); everything else
+is torchrun's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from conveyor.config import CHECKPOINT_DIR_ENV, PLAN_ENV, TRACE_ENV, read_plan
+from conveyor.config import CHECKPOINT_DIR_ENV, DP_ENV, PLAN_ENV, TP_ENV, TRACE_ENV, read_plan
 from conveyor.runtime.peers import FAILURES_ENV, Failure, read_failure
 
 __all__: list[str] = []
@@ -22,16 +23,30 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
-def _check_plan(path: str) -> None:
+def _check_plan(path: str) -> str:
     read_plan(path)  # fail now, not on every rank
+    return str(Path(path).resolve())
 
 
-RUN_OPTIONS: dict[str, tuple[str, str, Callable[[str], None] | None]] = {
-    "--trace": (TRACE_ENV, "DIR", None),
+def _path(value: str) -> str:
+    return str(Path(value).resolve())
+
+
+def _size(value: str) -> str:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--dp and --tp take a positive number of ranks, got {value!r}")
+    return value
+
+
+RUN_OPTIONS: dict[str, tuple[str, str, Callable[[str], str]]] = {
+    "--trace": (TRACE_ENV, "DIR", _path),
     "--plan": (PLAN_ENV, "FILE", _check_plan),
-    "--checkpoint-dir": (CHECKPOINT_DIR_ENV, "DIR", None),
+    "--checkpoint-dir": (CHECKPOINT_DIR_ENV, "DIR", _path),
+    "--dp": (DP_ENV, "N", _size),
+    "--tp": (TP_ENV, "N", _size),
 }
-"""conveyor run's own options: flag -> (environment variable, value name, check)."""
+"""conveyor run's own options: flag -> (environment variable, value name, check that returns
+the value to export)."""
 
 _MULTI_NODE = (
     "--rdzv-endpoint",
@@ -45,7 +60,8 @@ _MULTI_NODE = (
 
 def take_run_options(tokens: Sequence[str]) -> list[str]:
     """Strip conveyor's options (before the script) from ``conveyor run``'s arguments and
-    export each as its environment variable, an absolute path; returns the rest for torchrun.
+    export each as its environment variable (paths made absolute); returns the rest for
+    torchrun.
 
     Raises:
         ValueError: an option without its value, or one that took the script as its value.
@@ -62,9 +78,7 @@ def take_run_options(tokens: Sequence[str]) -> list[str]:
                 if not tokens or tokens[0].startswith("-"):
                     raise ValueError(f"{name} needs a value: {name} {what} before the script")
                 value = tokens.pop(0)
-            if check is not None:
-                check(value)
-            os.environ[variable] = str(Path(value).resolve())
+            os.environ[variable] = check(value)
             taken.append(f"{name} {value}")
             continue
         rest.append(token)

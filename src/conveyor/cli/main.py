@@ -2,6 +2,7 @@
 
 conveyor demo                                   # train a GPT on 2 local ranks
 conveyor run -n 2 train.py --lr 1e-3            # any script, under torchrun
+conveyor run -n 4 --dp 2 train.py               # 2 replicas of a 2-rank pipeline
 conveyor simulate --schedule 1f1b --stages 4 --microbatches 8
 conveyor generate --prompt "def " --max-new-tokens 64      # pipelined generation, 2 ranks
 conveyor run --trace runs/t -n 2 train.py; conveyor trace runs/t    # a measured timeline
@@ -68,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
         "to DIR (render with conveyor trace DIR); --plan FILE runs every Pipeline with a plan "
         "from conveyor plan --out FILE; --checkpoint-dir DIR is where every Checkpointer "
         "saves and resumes from (with --max-restarts N, a lost rank restarts them all, and "
-        "they resume from the newest valid checkpoint).",
+        "they resume from the newest valid checkpoint); --dp N runs every Pipeline as N "
+        "data-parallel replicas (the ranks are dp x pp, e.g. -n 4 --dp 2: 2 replicas of a "
+        "2-rank pipeline), --tp N splits every stage over N tensor-parallel ranks.",
         usage="conveyor run [-n N] [torchrun options] script.py [script args]",
         prefix_chars="+",
         add_help=False,

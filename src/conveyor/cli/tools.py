@@ -15,12 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.planner import (
+    Link,
     Profile,
     ProfileCost,
+    Workload,
     layout,
     load_workload,
+    measure_reduce_link,
     measured_profile,
     plan,
+    plan_mesh,
     predict,
     split_units,
 )
@@ -84,7 +88,7 @@ def add_tool_commands(commands: Any) -> None:
         help="an example name (gpt, unbalanced, ...) or package.module:function "
         "returning a conveyor.profile.Workload",
     )
-    planner.add_argument("--ranks", type=positive_int, required=True, help="pipeline ranks")
+    planner.add_argument("--ranks", type=positive_int, help="pipeline ranks (or --world-size)")
     planner.add_argument(
         "--memory", type=parse_bytes, required=True, help="memory budget per rank, e.g. 2GiB"
     )
@@ -120,6 +124,17 @@ def add_tool_commands(commands: Any) -> None:
         help="profile in this process only: do not start two local ranks to "
         "measure runtime overheads and the link and to fit the profile to a "
         "traced run (the prediction then leaves them out)",
+    )
+    planner.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="plan a mesh: split this many ranks into data-parallel replicas x pipeline "
+        "ranks (--ranks is then ignored), the batch being the global one; the gradient "
+        "reductions are simulated over the measured link",
+    )
+    planner.add_argument(
+        "--fsdp", action="store_true", help="with --world-size: shard stages with FSDP"
     )
     planner.add_argument("--out", type=Path, help="write the best plan to this file")
     planner.add_argument("--top", type=positive_int, default=10, help="plans to print (default 10)")
@@ -197,17 +212,22 @@ def add_simulate_flags(simulate: argparse.ArgumentParser) -> None:
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not args.ranks and not args.world_size:
+        raise ValueError("pass --ranks P (one pipeline) or --world-size N (dp x pp layouts)")
     workload = load_workload(args.model)
     profile = Profile.load(args.profile) if args.profile else None
     if profile is None and not args.no_link:
         profile = measured_profile(
             workload,
-            args.ranks,
+            args.world_size or args.ranks,
             args.batch_size,
             args.microbatches,
             args.schedules,
             spec=args.model,
         )
+    if args.world_size:
+        reduce_link = None if args.no_link else measure_reduce_link()
+        return _plan_mesh(args, workload, profile, reduce_link)
     report = plan(
         workload,
         args.ranks,
@@ -256,6 +276,38 @@ def step_range(text: str) -> tuple[int, int]:
             f"expected a step N or a range FIRST-LAST (FIRST <= LAST), got {text!r}"
         )
     return steps
+
+
+def _plan_mesh(
+    args: argparse.Namespace, workload: Workload, profile: Profile | None, reduce_link: Link | None
+) -> int:
+    """``conveyor plan --world-size N``: the best dp x pp layout and why."""
+    report = plan_mesh(
+        workload,
+        args.world_size,
+        args.memory,
+        args.batch_size,
+        profile=profile,
+        reduce_link=reduce_link,
+        fsdp=args.fsdp,
+        schedules=args.schedules,
+        microbatches=args.microbatches,
+        objectives=args.balance_by,
+        checkpointing=not args.no_checkpointing,
+    )
+    print(
+        f"{args.model} on {args.world_size} ranks, global batch {args.batch_size}, budget "
+        f"{args.memory / 2**30:.2f} GiB per rank{' (FSDP)' if args.fsdp else ''}:"
+    )
+    print(report.why())  # raises ValueError (exit 2) when no layout fits
+    if args.out:
+        report.write(args.out)
+        best = report.best
+        print(
+            f"wrote {args.out}: conveyor run --plan {args.out} -n {args.world_size} train.py "
+            f"(dp={best.dp} x pp={best.pp})"
+        )
+    return 0
 
 
 def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -9,6 +9,7 @@ from conveyor.models.gpt import (
     char_ids,
     gpt,
     gpt_loss,
+    gpt_tp_plan,
     text_batches,
     unigram_entropy,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "dlrm",
     "gpt",
     "gpt_loss",
+    "gpt_tp_plan",
     "multimodal_batches",
     "segmentation_batches",
     "segmentation_loss",

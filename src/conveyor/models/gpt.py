@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = [
     "Block",
@@ -20,6 +21,7 @@ __all__ = [
     "char_ids",
     "gpt",
     "gpt_loss",
+    "gpt_tp_plan",
     "text_batches",
     "unigram_entropy",
 ]
@@ -125,6 +127,15 @@ def gpt(
         # N(0, 1) rows would make logits of size sqrt(dim); keep them of order one
         nn.init.normal_(embedding.tokens.weight, std=dim**-0.5)
     return nn.Sequential(embedding, *blocks, head)
+
+
+def gpt_tp_plan() -> dict[str, ParallelStyle]:
+    """A tensor-parallel plan for ``gpt`` (``Pipeline(..., tp=N, tp_plan=gpt_tp_plan())``):
+    each block's MLP split Megatron-style, its first Linear by output columns and the second
+    by input rows, so the activations between them stay sharded and one all-reduce joins the
+    output. Attention stays whole on every rank: its fused qkv projection would need a
+    head-aware split (separate q, k and v projections) to be split by columns."""
+    return {"*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()}
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -6,20 +6,31 @@
 Modules: ``profile`` (per-layer time and memory), ``calibrate`` (runtime overheads, the link
 between ranks, and fitting a profile to a traced run), ``cost`` (a profile as the simulator's
 cost model), ``partition`` (optimal splits of a profiled model), ``search`` (the planner),
-``report`` (its plans and plan file) and ``workloads`` (models known by name).
+``report`` (its plans and plan file), ``mesh`` (dp x pp layouts of a world of ranks, each
+pipeline planned, gradient reductions simulated) and ``workloads`` (models known by name).
 """
 
 from conveyor.planner.calibrate import (
     fit,
     fit_to_run,
+    measure_allreduce,
     measure_link,
     measure_local,
     measure_overheads,
+    measure_reduce_link,
     measured_profile,
     profile_local,
     profile_together,
 )
-from conveyor.planner.cost import Prediction, ProfileCost, layout, predict, split_units
+from conveyor.planner.cost import (
+    Prediction,
+    ProfileCost,
+    Replicas,
+    layout,
+    predict,
+    split_units,
+)
+from conveyor.planner.mesh import MeshPlan, MeshReport, plan_mesh
 from conveyor.planner.profile import (
     Link,
     Overheads,
@@ -38,6 +49,8 @@ from conveyor.planner.workloads import EXAMPLES, example, load_workload
 __all__ = [
     "EXAMPLES",
     "Link",
+    "MeshPlan",
+    "MeshReport",
     "Objective",
     "Overheads",
     "Plan",
@@ -45,6 +58,7 @@ __all__ = [
     "Prediction",
     "Profile",
     "ProfileCost",
+    "Replicas",
     "Unit",
     "UnitStats",
     "Workload",
@@ -53,11 +67,14 @@ __all__ = [
     "fit_to_run",
     "layout",
     "load_workload",
+    "measure_allreduce",
     "measure_link",
     "measure_local",
     "measure_overheads",
+    "measure_reduce_link",
     "measured_profile",
     "plan",
+    "plan_mesh",
     "predict",
     "profile_local",
     "profile_model",

@@ -39,9 +39,11 @@ from conveyor.trace import Event, Timeline
 __all__ = [
     "fit",
     "fit_to_run",
+    "measure_allreduce",
     "measure_link",
     "measure_local",
     "measure_overheads",
+    "measure_reduce_link",
     "profile_local",
     "profile_together",
 ]
@@ -177,6 +179,40 @@ def measure_link(
     )
 
 
+def measure_allreduce(
+    group: dist.ProcessGroup | None = None,
+    sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 22, 1 << 24),
+    repeats: int = 20,
+) -> Link:
+    """The link a ring all-reduce sees between two ranks, from timing ``all_reduce`` itself.
+
+    On two ranks the ring (``conveyor.planner.Replicas``) takes 2 steps of half the bytes:
+    time = 2 x latency + bytes / bandwidth, fitted by least squares over ``sizes``; the
+    ranks send and receive at once, so it is not the point-to-point link. Collective over
+    ``group`` (exactly two ranks).
+    """
+    _need_two(group)
+    points: list[tuple[float, float]] = []
+    for size in sizes:
+        buffer = torch.ones(size // 4)
+        samples = []
+        for _ in range(repeats + 2):
+            dist.barrier(group)
+            start = time.perf_counter()
+            dist.all_reduce(buffer, group=group)
+            samples.append(time.perf_counter() - start)
+        points.append((float(size), statistics.median(samples[2:])))
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, points, group=group)
+    slope, intercept = _fit([x for x, _ in gathered[0]], [y for _, y in gathered[0]])
+    return Link(max(intercept / 2, 1e-7), 1.0 / max(slope, 1e-13))
+
+
+def measure_reduce_link(timeout_s: float = 180.0) -> Link:
+    """``measure_allreduce`` on two ranks started here (gloo, one thread each)."""
+    return Link(**_on_two_local_ranks(timeout_s, None)["reduce_link"])
+
+
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
@@ -260,6 +296,7 @@ def _local_worker(rank: int, store: str, out: str, job: dict[str, Any] | None) -
         result: dict[str, Any] = {
             "overheads": dataclasses.asdict(overheads),
             "link": dataclasses.asdict(link),
+            "reduce_link": dataclasses.asdict(measure_allreduce()),
         }
         if job is not None:
             result["profile"] = _fitted_profile(job, overheads, link).to_dict()

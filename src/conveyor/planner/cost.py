@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
-from conveyor.planner.profile import Profile, UnitStats
+from conveyor.planner.profile import Link, Profile, UnitStats
 from conveyor.program import Action, Kind, Program
 from conveyor.runtime.recompute import RecomputeMode, is_recomputed
 from conveyor.simulator import execute
 from conveyor.trace import Timeline
 
-__all__ = ["Prediction", "ProfileCost", "layout", "predict", "split_units"]
+__all__ = ["Prediction", "ProfileCost", "Replicas", "layout", "predict", "split_units"]
 
 RNG_STATE_BYTES = int(torch.get_rng_state().numel())
 """Bytes of the CPU generator state that travels with every forward message."""
@@ -106,6 +106,48 @@ def _output_unit(profile: Profile) -> int:
     return unused[-1] if unused else profile.num_units - 1
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """Data-parallel replicas of a pipeline, as what they cost each rank per step.
+
+    Gradients are reduced over the replicas once per step, right after each stage's last B or
+    W (conveyor.parallel.data_parallel), by a ring all-reduce: 2(d-1) steps that each move
+    1/d of the bytes over ``link`` (``conveyor.planner.measure_allreduce`` fits one to a
+    timed all-reduce; a point-to-point link also serves, paying its calls' time per byte).
+    With ``fsdp`` the reduction is a reduce-scatter (half of that), the parameters are
+    gathered once per step before the stage's first forward (the other half), and each rank
+    keeps 1/d of the optimizer state and of the reduced gradients.
+    """
+
+    count: int
+    link: Link | None
+    """None: reductions are free (a profile measured without a link)."""
+    fsdp: bool = False
+
+    def ring_time(self, num_bytes: int, phases: int) -> float:
+        """Seconds for ``phases`` x (d - 1) ring steps of ``num_bytes / d`` each."""
+        d, link = self.count, self.link
+        if d == 1 or link is None:
+            return 0.0
+        per_byte = 1 / link.bandwidth + link.send_per_byte + link.recv_per_byte
+        return phases * (d - 1) * (link.latency + num_bytes / d * per_byte)
+
+    def reduce_time(self, num_bytes: int) -> float:
+        """Reducing ``num_bytes`` of gradients over the replicas."""
+        return self.ring_time(num_bytes, 1 if self.fsdp else 2)
+
+    def gather_time(self, num_bytes: int) -> float:
+        """Gathering ``num_bytes`` of FSDP-sharded parameters (0 without FSDP)."""
+        return self.ring_time(num_bytes, 1) if self.fsdp else 0.0
+
+    def static_bytes(self, params: float, trainable: float, optimizer_per_param: float) -> float:
+        """Parameters, gradients and optimizer state a rank holds at its peak."""
+        if not self.fsdp:
+            return params + trainable * (1 + optimizer_per_param)
+        # gathered parameters and unsharded gradients during the step, and the shards
+        return params + trainable + trainable * (1 + optimizer_per_param) / self.count
+
+
 class ProfileCost:
     """Costs of one split of a profiled model: per-stage sums of its units' measured costs,
     the runtime's per-action overheads, transfers over the measured link, and activation
@@ -117,6 +159,8 @@ class ProfileCost:
         checkpoint: activation checkpointing, one mode or one per stage (runtime semantics:
             a recomputed stage keeps only its inputs and outputs and reruns its forward in
             backward; 'except_last' keeps the last micro-batch).
+        replicas: data-parallel replicas of the pipeline: each stage's gradient reduction
+            (and FSDP's parameter gathering and sharded memory); None: one replica.
     """
 
     def __init__(
@@ -127,6 +171,7 @@ class ProfileCost:
         microbatch_size: float,
         num_microbatches: int,
         checkpoint: RecomputeMode | Sequence[RecomputeMode] = "never",
+        replicas: Replicas | None = None,
     ) -> None:
         if len(stage_units) != graph.num_stages:
             raise ValueError(
@@ -236,13 +281,16 @@ class ProfileCost:
             for d in {stage_of[c] for c in consumers[u] if stage_of[c] != stage_of[u]}:
                 key = (stage_of[u], d)
                 self._edge_bytes[key] = self._edge_bytes.get(key, 0) + stats[u].message_bytes
+        replicas = replicas or Replicas(1, None)
         self._static = [0] * graph.num_ranks
+        self._reduce, self._gather = [], []
         for s, members in enumerate(stage_units):
             params = sum(profile.units[u].param_bytes for u in members)
             trainable = sum(profile.units[u].trainable_bytes for u in members)
-            self._static[graph.rank_of(s)] += round(
-                params + trainable * (1 + profile.optimizer_state_per_param)
-            )
+            static = replicas.static_bytes(params, trainable, profile.optimizer_state_per_param)
+            self._static[graph.rank_of(s)] += round(static)
+            self._reduce.append(replicas.reduce_time(trainable))
+            self._gather.append(replicas.gather_time(params))
 
     def _is_recomputed(self, s: int, k: int) -> bool:
         return is_recomputed(self.modes[s], k, self.num_microbatches)
@@ -251,7 +299,8 @@ class ProfileCost:
         s, k, overheads = action.stage, action.microbatch, self.profile.overheads
         redo = self._forward[s] if self._is_recomputed(s, k) else 0.0
         if action.kind is Kind.F:
-            return self._forward[s] + overheads.forward
+            gather = self._gather[s] if k == 0 else 0.0  # FSDP: once per step
+            return self._forward[s] + overheads.forward + gather
         if action.kind is Kind.B:
             return self._backward[s] + redo + overheads.backward
         if action.kind is Kind.I:
@@ -265,6 +314,10 @@ class ProfileCost:
         if action.kind in (Kind.B, Kind.I) and self._is_recomputed(action.stage, action.microbatch):
             return self._forward[action.stage]
         return 0.0
+
+    def reduce(self, stage: int) -> float:
+        """Seconds the stage's rank spends reducing its gradients over the replicas."""
+        return self._reduce[stage]
 
     def message_bytes(self, action: Action) -> int:
         """Bytes a send or receive carries: the edge's values (and, forward, the RNG state)."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
-from conveyor.planner.cost import layout
+from conveyor.planner.cost import Replicas, layout
 from conveyor.planner.profile import Profile
 from conveyor.runtime.recompute import RecomputeMode
 
@@ -71,6 +71,8 @@ class PlanReport:
     """Names of the model's layers when the units are exactly an nn.Sequential's children."""
     pruned: int = 0
     """Candidates not simulated: their lower bound could not make the top plans."""
+    replicas: Replicas | None = None
+    """Data-parallel replicas of each pipeline (``batch_size`` is one replica's share)."""
 
     @property
     def best(self) -> Plan:
@@ -115,6 +117,9 @@ class PlanReport:
             fields["placement"] = list(chosen.placement)
         if any(mode != "never" for mode in chosen.checkpoint):
             fields["stage_checkpoint"] = list(chosen.checkpoint)
+        if self.replicas is not None and self.replicas.count > 1:
+            fields["dp"] = self.replicas.count
+            fields["fsdp"] = self.replicas.fsdp
         return fields
 
     def write(self, path: str | os.PathLike[str], chosen: Plan | None = None) -> Path:

@@ -24,7 +24,7 @@ import numpy as np
 from torch import nn
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph, chain
-from conveyor.planner.cost import ProfileCost, layout, predict
+from conveyor.planner.cost import ProfileCost, Replicas, layout, predict
 from conveyor.planner.partition import (
     StageCosts,
     alive_per_stage,
@@ -59,6 +59,7 @@ def plan(
     checkpointing: bool = True,
     keep: int = 10,
     time_budget_s: float | None = 50.0,
+    replicas: Replicas | None = None,
 ) -> PlanReport:
     """Search splits, schedules, micro-batch counts and checkpointing; simulate each candidate.
 
@@ -78,6 +79,8 @@ def plan(
             candidates (smaller micro-batch counts first) stops after half of this,
             simulating them (lowest bound first) after all of it once a plan that fits is
             known; what was skipped is listed in ``notes``. None: no limit.
+        replicas: data-parallel replicas of each pipeline (``batch_size`` is then one
+            replica's share): their gradient reductions are simulated, and FSDP's memory.
 
     Raises:
         ValueError: a bad rank count or batch size, a profile that does not match the
@@ -126,6 +129,7 @@ def plan(
             batch_size,
             checkpointing,
             order,
+            replicas,
         )
         pending: list[_Candidate] = []
         for m, name in sorted(
@@ -159,6 +163,7 @@ def plan(
         _unique(notes),
         children,
         pruned,
+        replicas,
     )
     logger.info(
         "planned %s for %d ranks: %d plans simulated (%d pruned by their bound) in %.1f s",
@@ -296,8 +301,10 @@ class _Search:
         batch_size: int,
         checkpointing: bool,
         order: list[int] | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         self.profile = profile
+        self.replicas = replicas
         self.order = order
         """The original index of each unit of ``profile`` when it was reordered."""
         self.num_ranks = num_ranks
@@ -489,7 +496,9 @@ class _Search:
     def _simulate(
         self, c: _Candidate, graph: StageGraph, units: list[list[int]], program: Program
     ) -> Plan:
-        cost = ProfileCost(self.profile, graph, units, self.batch_size / c.m, c.m, list(c.modes))
+        cost = ProfileCost(
+            self.profile, graph, units, self.batch_size / c.m, c.m, list(c.modes), self.replicas
+        )
         prediction = predict(program, graph, cost, record=False)
         fits = all(total <= self.budget for total in prediction.total_memory)
         order = self.order

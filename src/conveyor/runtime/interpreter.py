@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
-from conveyor.program import Action, Kind
+from conveyor.parallel.data_parallel import local
+from conveyor.program import Action, Kind, last_weight_actions
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.batchnorm import recompute_context
 from conveyor.runtime.comm import P2P, Meta, Receive
@@ -52,6 +53,9 @@ class StepInputs:
     fingerprint: Fingerprint | None = None
     """This rank's batch, compared with every other rank's before the first message (See
     Note [batch fingerprint]); None skips the comparison."""
+    first_microbatch: int = 0
+    """Index of micro-batch 0 in the global batch (replica x micro-batches with data
+    parallelism), for its random stream: replicas draw the masks plain training would."""
 
 
 @dataclass
@@ -102,9 +106,13 @@ class Runtime:
         """Each stage's module, or a function that copies the inputs it modifies in place
         first; See Note [in-place stage inputs]."""
         self.meter = ActivationMeter(enabled=measure_memory)
-        self.meter.exclude(p for m in self.modules.values() for p in m.parameters())
+        self.meter.exclude(local(p) for m in self.modules.values() for p in m.parameters())
         self.recorder: Recorder | None = None
         """Set to record every action's start and end (conveyor.trace)."""
+        self.on_weights_done: Callable[[int], None] | None = None
+        """Called with a stage once the step's last action adding to its weight gradients (its
+        last B or W) has run: data parallelism reduces that stage's gradients then, while the
+        rest of the step runs (conveyor.parallel.data_parallel)."""
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
         self.compile_timeout: timedelta | None = None
         """Longest wait for a peer in a step that compiles stages (Pipeline.compile)."""
@@ -133,19 +141,22 @@ class Runtime:
         self._state = _State()
         recorder = self.recorder
         self._input_grads.begin()
+        done = last_weight_actions(actions) if self.on_weights_done is not None else {}
         with torch.set_grad_enabled(step.is_training), self._compile_allowance(step):
             if step.fingerprint is not None:
                 what = f"step {step.step_index}" if step.is_training else "a forward() call"
                 with self._as_one_wait("batch check" if self.graph.num_ranks > 1 else None):
                     agree(self.p2p, step.fingerprint, what)
-            for action in actions:
+            for index, action in enumerate(actions):
                 logger.debug("[rank %d] %s", self.rank, action)
                 if recorder is None:
                     self._handlers[action.kind](action)
-                    continue
-                start = recorder.now()
-                self._handlers[action.kind](action)
-                recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
+                else:
+                    start = recorder.now()
+                    self._handlers[action.kind](action)
+                    recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
+                if index in done and self.on_weights_done is not None:
+                    self.on_weights_done(done[index])
             if step.is_training and self._input_grads.has_work(step.microbatches):
                 with self._as_one_wait("input gradients"):
                     self._input_grads.finish(step.microbatches)
@@ -255,7 +266,9 @@ class Runtime:
         """
         producers = self.graph.producers(s)
         if not producers:  # a parallel first stage (another branch) draws from its own stream
-            seed = microbatch_seed(self.seed, self._step.step_index, k)
+            seed = microbatch_seed(
+                self.seed, self._step.step_index, self._step.first_microbatch + k
+            )
             return seed if s == 0 else microbatch_seed(seed, s, 0)
         parent = producers[-1]
         if parent not in received:

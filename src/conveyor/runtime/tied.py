@@ -7,6 +7,7 @@ with tied.summing_gradients(): ...forward and backward of a step...
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from conveyor.graph import StageGraph
+from conveyor.parallel.data_parallel import local
 from conveyor.runtime.comm import P2P, Meta, Receive
 
 __all__ = ["SharedParameter", "Tie", "TiedWeights", "find_ties"]
@@ -158,13 +160,20 @@ class TiedWeights:
                 ),
             )
 
+    def rebind(self, stages: dict[int, nn.Module]) -> None:
+        """Take each tie's Parameter from ``stages`` again, after data or tensor parallelism
+        replaced the stages' parameters (by DTensors)."""
+        for index, shared in enumerate(self.params):
+            stage, name = next((s, n) for s, n in shared.tie.users if s in stages)
+            self.params[index] = dataclasses.replace(shared, param=_get(stages[stage], name))
+
     def equalize(self) -> None:
         """Give every copy the value of the tie's first stage (collective over each tie)."""
         for shared in self.params:
-            value = self._from_source(shared, shared.param.detach())
+            mine = local(shared.param.detach())
+            value = self._from_source(shared, mine)
             if value is not None:
-                with torch.no_grad():
-                    shared.param.copy_(value)
+                mine.copy_(value)
 
     @contextmanager
     def summing_gradients(self) -> Iterator[None]:
@@ -187,9 +196,10 @@ class TiedWeights:
         stage's (collective); 0.0 while the ties hold."""
         worst = 0.0
         for shared in self.params:
-            reference = self._from_source(shared, shared.param.detach())
+            mine = local(shared.param.detach())
+            reference = self._from_source(shared, mine)
             if reference is not None:
-                worst = max(worst, float((shared.param.detach() - reference).abs().max()))
+                worst = max(worst, float((mine - reference).abs().max()))
         return worst
 
     def _sum_gradients(self, before: Sequence[torch.Tensor | None]) -> None:
@@ -200,8 +210,9 @@ class TiedWeights:
                 param.grad = old
                 continue
             added = param.grad if param.grad is not None else torch.zeros_like(param)
-            total = self._sum(shared, added.detach())
-            param.grad = total if old is None else old.add_(total)
+            mine = local(added.detach())  # a replica's shard or copy: summed shard by shard
+            mine.copy_(self._sum(shared, mine))
+            param.grad = added if old is None else old.add_(added)
         self.p2p.wait_sends()
         self._record("ties", start)
 

@@ -1,0 +1,153 @@
+"""dp x pp on a DeviceMesh computes what plain training computes on the global batch: the loss,
+every gradient (replicated or FSDP-sharded), global clipping, with every schedule and ties."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import conveyor
+from conveyor.runtime.loss import IGNORE_INDEX
+from dist import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def tied_model(width: int = 8) -> nn.Sequential:
+    """Eight float64 layers with dropout and layer norm; the last Linear is the first's weight
+    (one Parameter object, as a tied embedding is)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [
+        nn.Linear(width, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Dropout(0.2),
+        nn.Linear(width, width),
+        nn.LayerNorm(width),
+        nn.Tanh(),
+        nn.Linear(width, width, bias=False),
+    ]
+    layers[-1].weight = layers[0].weight  # type: ignore[union-attr]
+    return nn.Sequential(*layers).double()
+
+
+def plain_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_microbatches: int, step: int
+) -> torch.Tensor:
+    """Plain training on the global batch: micro-batch j seeded as conveyor seeds global
+    micro-batch j, losses weighted by their share of the batch, gradients accumulated."""
+    total = torch.zeros((), dtype=x.dtype)
+    chunks = zip(x.tensor_split(num_microbatches), y.tensor_split(num_microbatches), strict=True)
+    for j, (xj, yj) in enumerate(chunks):
+        torch.manual_seed(conveyor.microbatch_seed(0, step, j))
+        loss = F.mse_loss(model(xj), yj) * (len(xj) / len(x))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def whole(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor (collective over the replicas for a DTensor)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def check_grads(pipe: conveyor.Pipeline, plain: nn.Module, what: str) -> None:
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    for name, param in pipe.named_parameters():
+        assert param.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(
+            whole(param.grad),
+            expected[name].grad,
+            rtol=0,
+            atol=1e-10,
+            msg=lambda m, n=name: f"{what}: {n}: {m}",
+        )
+
+
+def check_one_reduction_per_stage(pipe: conveyor.Pipeline, what: str) -> None:
+    """Each of the rank's stages is reduced once in the step, right after its last B or W."""
+    assert pipe.recorder is not None
+    actions = [e.action for e in pipe.recorder.steps[-1][1] if not e.action.startswith("wait")]
+    reduced = [a for a in actions if a.startswith("reduce")]
+    assert sorted(reduced) == [f"reduce {s}" for s in sorted(pipe.stages)], what
+    for stage in pipe.stages:
+        weights = [i for i, a in enumerate(actions) if re.fullmatch(rf"{stage}[BW]\d+", a)]
+        assert actions[weights[-1] + 1] == f"reduce {stage}", (what, actions)
+
+
+def _equivalence(rank: int, world_size: int) -> None:
+    m, steps = 2, 2
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 8).double(), torch.randn(8, 8).double()) for _ in range(steps)]
+    for schedule in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
+        for fsdp in (False, True):
+            what = f"{schedule} fsdp={fsdp}"
+            model = tied_model()
+            plain = copy.deepcopy(model)
+            pipe = conveyor.Pipeline(
+                model,
+                dp=2,
+                fsdp=fsdp,
+                reshard_after_forward=fsdp and schedule in ("zb-h1", "interleaved-1f1b"),
+                schedule=schedule,
+                num_microbatches=m,
+                loss_fn=F.mse_loss,
+                broadcast_loss=True,
+                checkpoint="except_last" if fsdp else "never",
+                trace=True,
+                timeout_s=15,
+            )
+            assert pipe.num_replicas == 2 and pipe.mesh is not None
+            share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+            for step, (x, y) in enumerate(batches):  # two steps: gradients accumulate
+                loss = pipe.step(x[share], y[share])
+                expected = plain_step(plain, x, y, 2 * m, step)
+                torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12, msg=what)
+            check_grads(pipe, plain, what)
+            check_one_reduction_per_stage(pipe, what)
+            norm = pipe.clip_grad_norm_(0.1)
+            plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+            torch.testing.assert_close(norm, plain_norm, rtol=0, atol=1e-12, msg=what)
+            check_grads(pipe, plain, f"{what}, clipped")
+            assert pipe.ties.max_difference() == 0.0
+    _token_mean_over_replicas()
+
+
+def _token_mean_over_replicas() -> None:
+    """A token-level loss whose replicas count different tokens (2 and 4: replica 0's half
+    has two ignored targets) still gives the global batch's token mean and gradients."""
+    torch.manual_seed(2)
+    x, y = torch.randn(8, 8).double(), torch.randint(0, 8, (8,))
+    y[[0, 2]] = IGNORE_INDEX
+    model = tied_model()
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(
+        model, dp=2, fsdp=True, num_microbatches=2, loss_fn=F.cross_entropy,
+        loss_reduction="token_mean", broadcast_loss=True, timeout_s=15,
+    )  # fmt: skip
+    share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+    loss = pipe.step(x[share], y[share])
+    expected = torch.zeros((), dtype=x.dtype)
+    for j, (xj, yj) in enumerate(zip(x.tensor_split(4), y.tensor_split(4), strict=True)):
+        torch.manual_seed(conveyor.microbatch_seed(0, 0, j))
+        part = F.cross_entropy(plain(xj), yj) * (int((yj != IGNORE_INDEX).sum()) / 6)
+        part.backward()
+        expected += part.detach()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12, msg="token_mean")
+    check_grads(pipe, plain, "token_mean over replicas")
+
+
+def test_dp_x_pp_equals_plain_training_on_the_global_batch(tmp_path: Path) -> None:
+    run_ranks(_equivalence, tmp_path, 4, timeout_s=240)
+
+
+def _first_stage(x: Any) -> Any:
+    return x
