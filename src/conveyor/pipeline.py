@@ -35,7 +35,7 @@ from conveyor.parallel.tensor_parallel import check_plan
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.runtime.fingerprint import autocast_state, fingerprint
+from conveyor.runtime.fingerprint import StepRefused, autocast_state, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
@@ -371,6 +371,8 @@ class Pipeline:
         to run again; See Note [abandoned step] in conveyor.runtime.comm."""
         try:
             yield
+        except StepRefused:  # every rank refused the step together: nothing to abandon
+            raise
         except BaseException as error:  # Ctrl-C too: the peers must not wait for this rank
             text = " ".join(str(error).split())
             text = text if len(text) <= 200 else text[:197] + "..."

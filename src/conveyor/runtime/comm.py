@@ -171,6 +171,7 @@ class P2P:
         if self.recorder is not None:
             self.recorder.wait(receive.describe, start, self.recorder.now(), receive.meta.nbytes)
         leaves = []
+        packed = sum(b is not None for b in receive.buffers) > 1
         for leaf, buffer in zip(receive.meta.leaves, receive.buffers, strict=True):
             if not leaf.is_tensor:
                 leaves.append(leaf.constant)
@@ -181,6 +182,8 @@ class P2P:
                 if buffer is None
                 else buffer.view(leaf.dtype).view(leaf.shape)
             )
+            if packed:  # its own storage: a view would keep the whole message alive
+                tensor = tensor.clone()
             leaves.append(tensor.requires_grad_(leaf.requires_grad))
         return pytree.tree_unflatten(leaves, receive.meta.spec)
 
@@ -337,9 +340,11 @@ def _scope(channel: dist.ProcessGroup) -> str:
 # A message with several tensors (a stage's activations and the random-generator state that
 # travels with them, See Note [micro-batch randomness]) goes as one gloo transfer: the sender
 # copies the tensors into one byte buffer, each at an offset rounded up to _ALIGN, and the
-# receiver, which knows the sizes from the message's Meta, receives into one buffer and views
-# each tensor in place. Each transfer costs a round of the transport's threads and, on a
-# shared CPU, a scheduler wake-up on both sides; a copy of the activations costs less than
+# receiver, which knows the sizes from the message's Meta, receives into one buffer and copies
+# each tensor out of it (a view would keep the whole buffer, random state included, alive as
+# long as the activation is saved for backward). Each transfer costs a round of the
+# transport's threads and, on a shared CPU, a scheduler wake-up on both sides; a copy of the
+# activations costs less than
 # that. A message of one tensor is sent as it is, with no copy.
 _ALIGN = 64
 """Bytes each packed tensor's offset is a multiple of, so every dtype can view its place."""

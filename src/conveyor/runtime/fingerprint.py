@@ -23,7 +23,28 @@ import torch.distributed as dist
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.torch_compat import pytree
 
-__all__ = ["Fingerprint", "agree", "autocast_state", "fingerprint"]
+__all__ = [
+    "BatchMismatchError",
+    "CannotRunError",
+    "Fingerprint",
+    "StepRefused",
+    "agree",
+    "autocast_state",
+    "fingerprint",
+]
+
+
+class StepRefused(Exception):  # noqa: N818  # a marker, mixed into the errors below
+    """Raised by ``agree`` on every rank at once, before any message of the step: nothing
+    is in flight, so the Pipeline stays usable (it is not abandoned)."""
+
+
+class BatchMismatchError(ValueError, StepRefused):
+    """Another rank's batch or mode differs from this rank's."""
+
+
+class CannotRunError(RuntimeError, StepRefused):
+    """A rank cannot run the step (uninitialized weights)."""
 
 
 # Note [batch fingerprint]:
@@ -112,8 +133,8 @@ def agree(p2p: P2P, mine: Fingerprint, describe: str) -> None:
     Collective: every rank calls it with its own fingerprint before the step's first message.
 
     Raises:
-        ValueError: another rank's batch or mode differs from this rank's.
-        RuntimeError: a rank cannot run (its ``problem``, or on the others, its name).
+        BatchMismatchError: another rank's batch or mode differs from this rank's.
+        CannotRunError: a rank cannot run (its ``problem``, or on the others, its name).
         PeerLostError: a peer did not answer within the timeout.
     """
     what = f"the batch fingerprint of {describe}"
@@ -125,15 +146,15 @@ def agree(p2p: P2P, mine: Fingerprint, describe: str) -> None:
     theirs = {peer: Fingerprint.of_tensor(p2p.wait(receive)) for peer, receive in posted}
     p2p.wait_sends()
     if mine.problem:
-        raise RuntimeError(mine.problem)
+        raise CannotRunError(mine.problem)
     for peer, other in theirs.items():
         if other.not_ready:
-            raise RuntimeError(
+            raise CannotRunError(
                 f"rank {p2p.rank}: rank {peer} cannot run {describe} (its own error says "
                 "why); every rank stops before any activation moves"
             )
         if other != mine:
-            raise ValueError(_difference(p2p.rank, peer, mine, other, describe))
+            raise BatchMismatchError(_difference(p2p.rank, peer, mine, other, describe))
 
 
 def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, what: str) -> str:

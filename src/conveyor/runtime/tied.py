@@ -204,16 +204,19 @@ class TiedWeights:
 
     def _sum_gradients(self, before: Sequence[torch.Tensor | None]) -> None:
         start = self._now()
+        sums = []
         for shared, old in zip(self.params, before, strict=True):
             param = shared.param
             if not param.requires_grad:  # frozen: the same on every rank, nothing to add
                 param.grad = old
                 continue
             added = param.grad if param.grad is not None else torch.zeros_like(param)
-            mine = local(added.detach())  # a replica's shard or copy: summed shard by shard
-            mine.copy_(self._sum(shared, mine))
-            param.grad = added if old is None else old.add_(added)
-        self.p2p.wait_sends()
+            # a replica's shard or copy, summed shard by shard
+            sums.append((shared, old, added, self._sum(shared, local(added.detach()))))
+        self.p2p.wait_sends()  # the parts sent must stay as they are until then
+        for shared, old, added, total in sums:
+            local(added).copy_(total)
+            shared.param.grad = added if old is None else old.add_(added)
         self._record("ties", start)
 
     def _sum(self, shared: SharedParameter, tensor: torch.Tensor) -> torch.Tensor:
