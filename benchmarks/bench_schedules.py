@@ -135,6 +135,15 @@ def render(
             "|---|---|---|---|---|",
             *filter(None, usage),
         ]
+    crashes = {s: sum(r.get("teardown_crashes", 0) for r in rs) for s, rs in rounds.items()}
+    if any(crashes.values()):
+        lines += [
+            "",
+            "Processes that crashed after their last step and report (at exit; the figures "
+            "of their rounds are complete): "
+            + ", ".join(f"{system} {n}" for system, n in crashes.items() if n)
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
