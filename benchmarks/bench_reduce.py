@@ -86,8 +86,9 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         ddp = DistributedDataParallel(copy.deepcopy(model))
         x, y = text_batches(8, 64, 1)[0]
         x, y = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
+        flat = torch.zeros(sum(p.numel() for p in model.parameters()))
         samples: dict[str, list[float]] = {
-            "step": [], "reduce": [], "alone": [], "sync": [], "nosync": [],
+            "step": [], "reduce": [], "alone": [], "sync": [], "nosync": [], "raw": [],
         }  # fmt: skip
         for index in range(args.steps + 2):  # the first two warm up
             # the four kinds of step take turns, so a busy spell of the machine hits all alike
@@ -98,6 +99,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             for sync in (True, False):
                 dist.barrier()
                 times["sync" if sync else "nosync"] = _ddp_step(ddp, x, y, sync)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(flat)  # the floor: the same bytes in one all-reduce, nothing else
+            times["raw"] = time.perf_counter() - start
             if index >= 2:
                 for key, value in times.items():
                     samples[key].append(value)
@@ -132,7 +137,17 @@ def main() -> None:
         row("what data parallelism adds to the step", added, ddp_added),
         f"| conveyor's reduction action (traced `reduce 0`) | {median['reduce'] * 1e3:.1f} ms "
         "| | |",
+        f"| one gloo all_reduce of the same bytes (the floor) | {median['raw'] * 1e3:.1f} ms | | |",
     ]
+    reading = (
+        "Reading: conveyor's reduction is FSDP2's post-backward run once per stage after its "
+        "last backward (Note [one reduction per step]): the gradients copied into one flat "
+        "buffer, divided, all-reduced in one call, viewed back; nothing of it overlaps the "
+        "backward, which is all there is to overlap with when the pipeline has one stage, as "
+        "here. DDP all-reduces 25 MiB buckets asynchronously while the backward still runs, "
+        "so part of its reduction is hidden. With several stages a stage's reduction overlaps "
+        "the other stages' remaining backward (they run on other ranks)."
+    )
     markdown = "\n".join(
         [
             "## Data-parallel gradient reduction: conveyor vs torch DDP",
@@ -146,6 +161,8 @@ def main() -> None:
             f"{os.getloadavg()[0]:.1f} at the end.",
             "",
             *rows,
+            "",
+            reading,
         ]
     )
     if not args.no_write:
