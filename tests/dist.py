@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -16,15 +14,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 GROUP_TIMEOUT_S = 20.0
-
-# Ranks start from a fork server that has imported torch and conveyor once for the session:
-# a rank then starts in milliseconds instead of the seconds a fresh interpreter takes to import
-# them again (about 1.6 s per run here, which over the suite's runs was minutes). The server
-# forks before any test code runs, so every rank still starts from freshly imported modules.
-_PRELOAD = ["torch", "torch.distributed", "conveyor", "conveyor.models", "pytest", "transformers"]
-multiprocessing.set_forkserver_preload(
-    [name for name in _PRELOAD if importlib.util.find_spec(name.split(".")[0]) is not None]
-)
 
 
 def run_ranks(
@@ -42,7 +31,7 @@ def run_ranks(
         args=(fn, world_size, str(store), kwargs),
         nprocs=world_size,
         join=False,
-        start_method="forkserver",
+        start_method="forkserver",  # See Note [rank fork server]
     )
     deadline = time.monotonic() + timeout_s
     try:
