@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -333,7 +334,11 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--every", type=int, default=25, help="steps between samples")
-    parser.add_argument("--configs", default=None, help="comma-separated names (default: all)")
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help='comma-separated names, e.g. "demo,gpipe-tied,demo, trace=True" (default: all)',
+    )
     parser.add_argument("--no-write", action="store_true", help="print, leave docs alone")
     parser.add_argument("--samples", type=Path, help="also write every sample to this JSON file")
     parser.add_argument(
@@ -360,7 +365,7 @@ def measure(
     """Run the chosen configurations one after another, printing each one's rows."""
     soaks = configurations()
     if args.configs is not None:
-        wanted = args.configs.split(",")
+        wanted = re.split(r",(?=\S)", args.configs)  # names hold ", " themselves
         unknown = sorted(set(wanted) - {s.name for s in soaks})
         if unknown:
             parser.error(
