@@ -2,6 +2,7 @@
 
     python benchmarks/bench_schedules.py            # gpipe, 1f1b, interleaved-1f1b, zb-v; m 4, 8
     python benchmarks/bench_schedules.py --rounds 1 --steps 3 --no-write    # a quick look
+    python benchmarks/bench_schedules.py --plan plan.json     # that plan as the planned row
 
 Each system runs in fresh processes of its own (benchmarks/ootb.py: 2 gloo ranks, 1 thread
 each; torch's processes never import conveyor), the systems alternating round by round, each
@@ -10,7 +11,9 @@ step. A step is the slowest rank's zero_grad + step + optimizer.step between bar
 round's figure is the median of its steps, the table's the median over rounds. conveyor runs
 twice, with its defaults and with ``keep_host_memory=False``, which measures that setting
 alone. Plain training (one process, 1 thread, the batch in the same micro-batches) gives the
-ideal pipeline throughput. Results go to the `schedules` section of docs/benchmarks.md.
+ideal pipeline throughput. Before the rounds, ``conveyor plan`` chooses a configuration for
+the batch (schedule, micro-batches, split); conveyor runs it as one more row. Results go to
+the `schedules` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ootb import RANKS, SCHEDULES, SYSTEMS, Spec, load_average, medians, run_round
+from ootb import PLANNED, RANKS, ROOT, SCHEDULES, SYSTEMS, Spec, load_average, medians, run_round
 from report import write_section
 
 PEER_NAMES = {name: cls for name, (_, _, cls) in SCHEDULES.items()}
@@ -46,6 +51,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument("--save", help="write the raw results here (JSON) after every run")
     parser.add_argument("--render", help="report the results --save wrote instead of running")
+    parser.add_argument("--plan", help="run this plan file as the planned row (default: plan now)")
+    parser.add_argument("--no-plan", action="store_true", help="leave out the planned row")
     return parser.parse_args(argv)
 
 
@@ -56,15 +63,22 @@ def main(argv: list[str] | None = None) -> None:
     systems = args.systems.split(",")
     started, loads = time.perf_counter(), [load_average()]
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in [*systems, "plain"]}
+    plan = None if args.no_plan or args.render else json.loads(make_plan(args.plan).read_text())
     if args.render:  # a saved run (--save), perhaps cut short: its finished rounds
         saved = json.loads(Path(args.render).read_text())
-        rounds, loads, args.rounds = saved["rounds"], saved["loads"], 0
+        rounds, loads, args.rounds, plan = saved["rounds"], saved["loads"], 0, saved["plan"]
         started -= saved["seconds"]
+    planned = [] if plan is None else [(PLANNED, plan["pipeline"]["num_microbatches"])]
+    plain = [("plain", m) for m in sorted({*counts, *(m for _, m in planned)}, reverse=True)]
+    plan_file = Path(tempfile.mkdtemp(), "plan.json")
+    plan_file.write_text(json.dumps(plan))
     for index in range(args.rounds):
         order = systems[index % len(systems) :] + systems[: index % len(systems)]
         for system in [*order, "plain"]:  # alternate, so drift in the machine hits all
-            todo = [("plain", m) for m in counts] if system == "plain" else configs
-            spec = Spec(system, todo, warmup=args.warmup, steps=args.steps)
+            todo = plain if system == "plain" else configs
+            if system == "conveyor":
+                todo = configs + planned
+            spec = Spec(system, todo, warmup=args.warmup, steps=args.steps, plan=str(plan_file))
             result = run_round(spec)
             if "error" in result:
                 raise SystemExit(f"{system} failed: {result['error']}")
@@ -75,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {index} {system}: load {loads[-1]:.1f}", flush=True)
             if args.save:  # every finished run, so a long run cut short still has its figures
                 elapsed = time.perf_counter() - started
-                raw = {"rounds": rounds, "loads": loads, "seconds": elapsed}
+                raw = {"rounds": rounds, "loads": loads, "seconds": elapsed, "plan": plan}
                 Path(args.save).write_text(json.dumps(raw))
-    text = render(args, configs, counts, rounds, loads, time.perf_counter() - started)
+    text = render(args, configs, rounds, loads, time.perf_counter() - started, plan)
     print(text)
     if not args.no_write:
         write_section(args.section, text)
@@ -86,10 +100,10 @@ def main(argv: list[str] | None = None) -> None:
 def render(
     args: argparse.Namespace,
     configs: list[tuple[str, int]],
-    counts: list[int],
     rounds: dict[str, list[dict[str, Any]]],
     loads: list[float],
     seconds: float,
+    plan: dict[str, Any] | None,
 ) -> str:
     batch = Spec("", []).batch
     loaded = max(loads) > 1
@@ -124,6 +138,7 @@ def render(
     ]
     for schedule, m in configs:
         lines.append(row(schedule, m, rounds, batch))
+    lines += planned_lines(plan, configs, rounds)
     usage = [usage_row(schedule, m, rounds) for schedule, m in configs]
     if any(usage):
         lines += [
@@ -145,6 +160,72 @@ def render(
             + ".",
         ]
     return "\n".join(lines) + "\n"
+
+
+def make_plan(given: str | None) -> Path:
+    """The plan file to run: ``given``, or the one ``conveyor plan`` writes now for the
+    benchmark's GPT and batch, in processes of its own, as a user would plan it."""
+    if given:
+        return Path(given)
+    out = Path(tempfile.mkdtemp(), "plan.json")
+    paths = [str(ROOT / "src"), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+    command = [*PLAN_COMMAND, "--out", str(out)]
+    print("planning:", " ".join(command), flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "conveyor.cli", *command[1:]],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+        check=True,
+    )
+    return out
+
+
+PLAN_COMMAND = [
+    "conveyor", "plan", "--model", "ootb:workload", "--ranks", str(RANKS), "--memory", "4GiB",
+    "--batch-size", str(Spec("", []).batch),
+]  # fmt: skip
+
+
+def planned_lines(
+    plan: dict[str, Any] | None,
+    configs: list[tuple[str, int]],
+    rounds: dict[str, list[dict[str, Any]]],
+) -> list[str]:
+    """The row of the configuration ``conveyor plan`` chose for this batch, against the
+    fastest like-for-like configuration of each system (item 4 of issue 16)."""
+    if plan is None:
+        return []
+    chosen, m = plan["pipeline"], plan["pipeline"]["num_microbatches"]
+    ours = medians(rounds.get("conveyor", []), f"{PLANNED}/{m}")
+    if not ours:
+        return []
+
+    def fastest(system: str) -> tuple[float, str]:
+        found = [
+            (statistics.median(times), f"{s}, m = {k}")
+            for s, k in configs
+            if (times := medians(rounds.get(system, []), f"{s}/{k}"))
+        ]
+        return min(found) if found else (float("nan"), "-")
+
+    measured, predicted = statistics.median(ours), plan["prediction"]["step_time_s"]
+    (theirs, their_config), (like, our_config) = fastest("torch"), fastest("conveyor")
+    plain = medians(rounds["plain"], f"plain/{m}")
+    ideal = statistics.median(plain) / RANKS * (m + RANKS - 1) / m if plain else float("nan")
+    split = ", ".join(f"{k}={v}" for k, v in chosen.items() if k not in ("schedule",))
+    return [
+        "",
+        f"Planned: `{' '.join(PLAN_COMMAND)}` (in processes of its own, before the rounds) "
+        "chose the configuration below for this batch; conveyor runs it in every one of its "
+        "rounds, next to the like-for-like configurations above. Ideal as above, at the "
+        "plan's m.",
+        "",
+        "| plan | predicted ms | conveyor ms | predicted / measured | conveyor's fastest "
+        "above | torch's fastest above | speed-up over torch's fastest | % of ideal |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {chosen['schedule']} ({split}) | {predicted * 1e3:.0f} | {measured * 1e3:.0f} | "
+        f"{predicted / measured:.2f} | {like * 1e3:.0f} ({our_config}) | {theirs * 1e3:.0f} "
+        f"({their_config}) | **{theirs / measured:.2f}** | {ideal / measured:.0%} |",
+    ]
 
 
 def usage_row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]]) -> str:

@@ -41,6 +41,8 @@ SCHEDULES = {
     "interleaved-1f1b": (2, "loop", "ScheduleInterleaved1F1B"),
     "zb-v": (2, "v", "ScheduleZBVZeroBubble"),
 }
+PLANNED = "planned"
+"""The configuration ``conveyor plan`` chose for the batch (Spec.plan): conveyor only."""
 SYSTEMS = ("conveyor", "conveyor-keep-off", "torch")
 """conveyor with its defaults, with keep_host_memory=False, and torch.distributed.pipelining."""
 
@@ -59,6 +61,8 @@ class Spec:
     batch: int = 16
     warmup: int = 2
     steps: int = 10
+    plan: str = ""
+    """A plan file (``conveyor plan --model ootb:workload``), run as configuration PLANNED."""
     profile: bool = False
     """Profile (cProfile) and, for conveyor, trace extra steps after the timed ones."""
     out: str = ""
@@ -107,6 +111,20 @@ def model(spec: Spec, gpt: Any) -> nn.Sequential:
     return built
 
 
+def workload() -> Any:
+    """The benchmark's GPT, batches and loss for the planner: ``conveyor plan --model
+    ootb:workload`` (with benchmarks/ on the path) plans the configuration ``planned`` runs."""
+    from conveyor.planner import Workload
+
+    gpt, spec = gpt_module(), Spec("conveyor", [])
+
+    def batches(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(spec)
+        return x[:size], y[:size]
+
+    return Workload("benchmark GPT", model(spec, gpt), batches, gpt.gpt_loss)
+
+
 Step = Callable[[], "float | None"]
 """One training step (zero_grad, step, optimizer step); returns the loss where it is known."""
 
@@ -114,12 +132,22 @@ Step = Callable[[], "float | None"]
 def conveyor_step(spec: Spec, schedule: str, m: int, gpt: Any, **options: Any) -> Step:
     import conveyor
 
+    if schedule == PLANNED:  # everything from the plan file: schedule, m, split, placement
+        pipe = conveyor.Pipeline(
+            model(spec, gpt), plan=spec.plan, loss_fn=gpt.gpt_loss, timeout_s=300, **options
+        )
+    else:
+        stages = SCHEDULES[schedule][0] * RANKS
+        pipe = conveyor.Pipeline(
+            model(spec, gpt), balance=balance(spec.layers, stages), schedule=schedule,
+            num_microbatches=m, loss_fn=gpt.gpt_loss, timeout_s=300, **options,
+        )  # fmt: skip
+    return training_step(pipe, spec)
+
+
+def training_step(pipe: Any, spec: Spec) -> Step:
+    """conveyor's step on the benchmark batch: zero_grad, ``pipe.step``, SGD."""
     x, y = batch(spec)
-    stages = SCHEDULES[schedule][0] * RANKS
-    pipe = conveyor.Pipeline(
-        model(spec, gpt), balance=balance(spec.layers, stages), schedule=schedule,
-        num_microbatches=m, loss_fn=gpt.gpt_loss, timeout_s=300, **options,
-    )  # fmt: skip
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
     def step() -> float | None:
