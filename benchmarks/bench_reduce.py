@@ -146,7 +146,15 @@ def main() -> None:
         "backward, which is all there is to overlap with when the pipeline has one stage, as "
         "here. DDP all-reduces 25 MiB buckets asynchronously while the backward still runs, "
         "so part of its reduction is hidden. With several stages a stage's reduction overlaps "
-        "the other stages' remaining backward (they run on other ranks)."
+        "the other stages' remaining backward (they run on other ranks). The action's time "
+        "above the floor is FSDP2's own work around the all-reduce (torch 2.13, "
+        "foreach_reduce): on a CPU it runs without streams, so in line, and with a replicated "
+        "stage it copies the gradients into a flat buffer, copies that once more (its "
+        "reduce-scatter step, over a shard group of one), all-reduces it and copies the "
+        "result out into each gradient. "
+        "Reaching DDP here needs DDP's reducer itself for replicated stages whose schedule "
+        "has no split backward (armed for the last micro-batch's backward, as "
+        "torch.distributed.pipelining's stage does), which conveyor does not do yet."
     )
     markdown = "\n".join(
         [
