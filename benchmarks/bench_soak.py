@@ -77,15 +77,11 @@ def configurations() -> list[Soak]:
     for schedule in SCHEDULES:
         for tied in (True, False):
             if (schedule, tied) != ("1f1b", True):  # that one is the demo
-                soaks.append(
-                    Soak(f"{schedule}-{'tied' if tied else 'untied'}", schedule, tied)
-                )
+                soaks.append(Soak(f"{schedule}-{'tied' if tied else 'untied'}", schedule, tied))
     return soaks
 
 
-_MALLINFO2 = (
-    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-)
+_MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
 
 
 class _MallInfo2(ctypes.Structure):
@@ -109,23 +105,14 @@ def worker(
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(300),
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(300)
     )
     demo = DemoConfig()
     torch.manual_seed(0)
     model = gpt(
-        seq_len=demo.seq_len,
-        dim=demo.dim,
-        num_layers=demo.num_layers,
-        tie_embeddings=soak.tied,
+        seq_len=demo.seq_len, dim=demo.dim, num_layers=demo.num_layers, tie_embeddings=soak.tied
     )
-    pipe = conveyor.Pipeline(
-        model, schedule=soak.schedule, loss_fn=gpt_loss, **soak.options
-    )
+    pipe = conveyor.Pipeline(model, schedule=soak.schedule, loss_fn=gpt_loss, **soak.options)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=demo.lr)
     batches = text_batches(demo.batch_size, demo.seq_len, 64)
     samples = [sample(0)]
@@ -138,9 +125,7 @@ def worker(
         if step % every == 0:
             samples.append(sample(step))
     seconds = time.perf_counter() - start
-    Path(f"{out}.{rank}").write_text(
-        json.dumps({"samples": samples, "seconds": seconds})
-    )
+    Path(f"{out}.{rank}").write_text(json.dumps({"samples": samples, "seconds": seconds}))
     dist.destroy_process_group()
 
 
@@ -158,29 +143,19 @@ class RankResult:
         return [s for s in self.samples if s[0] >= self.warmup]
 
     def slope(
-        self,
-        column: int = 1,
-        part: slice = slice(None),
-        since: int = 0,
-        until: int | None = None,
+        self, column: int = 1, part: slice = slice(None), since: int = 0, until: int | None = None
     ) -> float:
         """Least-squares growth of a sampled column after warm-up (between steps ``since``
         and ``until``), in KB per step."""
         rows = [
-            r
-            for r in self.after_warmup()
-            if since <= r[0] and (until is None or r[0] <= until)
+            r for r in self.after_warmup() if since <= r[0] and (until is None or r[0] <= until)
         ][part]
-        fit = statistics.linear_regression(
-            [r[0] for r in rows], [r[column] for r in rows]
-        )
+        fit = statistics.linear_regression([r[0] for r in rows], [r[column] for r in rows])
         return fit.slope / 1e3
 
     def halves(self) -> tuple[float, float]:
         middle = len(self.after_warmup()) // 2
-        return self.slope(part=slice(None, middle + 1)), self.slope(
-            part=slice(middle, None)
-        )
+        return self.slope(part=slice(None, middle + 1)), self.slope(part=slice(middle, None))
 
     def settled_step(self, tolerance: int = 1 << 20) -> int:
         """The first sampled step with resident memory within ``tolerance`` of the run's
@@ -197,9 +172,7 @@ def run(soak: Soak, steps: int, args: argparse.Namespace) -> list[RankResult]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "samples")
         store = os.path.join(tmp, "store")
-        mp.spawn(
-            worker, args=(soak, args.warmup, steps, args.every, store, out), nprocs=2
-        )
+        mp.spawn(worker, args=(soak, args.warmup, steps, args.every, store, out), nprocs=2)
         parts = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
     return [RankResult(p["samples"], p["seconds"], args.warmup, steps) for p in parts]
 
@@ -208,8 +181,8 @@ def table(results: dict[str, list[RankResult]]) -> list[str]:
     lines = [
         "| configuration | rank | steps | ms/step | RSS after warm-up MiB | RSS at end MiB "
         "| slope KB/step | first half / second half | within 1 MiB of peak by step "
-        "| heap in use B/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| heap in use B/step | heap held B/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, ranks in results.items():
         for rank, r in enumerate(ranks):
@@ -219,7 +192,7 @@ def table(results: dict[str, list[RankResult]]) -> list[str]:
                 f"| {r.seconds / (r.warmup + r.steps) * 1e3:.0f} "
                 f"| {r.rss(r.warmup):.1f} | {r.rss(r.warmup + r.steps):.1f} "
                 f"| {r.slope():+.3f} | {first:+.3f} / {second:+.3f} | {r.settled_step()} "
-                f"| {r.slope(column=2) * 1e3:+.1f} |"
+                f"| {r.slope(column=2) * 1e3:+.1f} | {r.slope(column=3) * 1e3:+.1f} |"
             )
     return lines
 
@@ -228,9 +201,7 @@ def stability(results: dict[str, list[RankResult]]) -> list[str]:
     """The demo's slope over each window as long as the shorter runs of the other
     configurations, against its whole run: how well the shorter window estimates it."""
     demo = results.get("demo")
-    window = min(
-        (r[0].steps for name, r in results.items() if name != "demo"), default=None
-    )
+    window = min((r[0].steps for name, r in results.items() if name != "demo"), default=None)
     if demo is None or window is None or demo[0].steps < 2 * window:
         return []
     lines = [
@@ -275,9 +246,7 @@ def plot(results: dict[str, list[RankResult]], path: Path) -> None:
     for rank, axis in enumerate(axes):
         for name, ranks in results.items():
             steps = [s[0] for s in ranks[rank].samples]
-            axis.plot(
-                steps, [s[1] / 2**20 for s in ranks[rank].samples], label=name, lw=1
-            )
+            axis.plot(steps, [s[1] / 2**20 for s in ranks[rank].samples], label=name, lw=1)
         axis.set_title(f"rank {rank}")
         axis.set_xlabel("step")
         axis.set_ylabel("resident memory (MiB)")
@@ -294,18 +263,14 @@ COMMAND = shlex.join(["python", "benchmarks/bench_soak.py", *sys.argv[1:]])
 def save(results: dict[str, list[RankResult]], path: Path) -> None:
     """Every rank's samples and the command that measured them (``--before``,
     ``--from-samples``)."""
-    raw = {
-        name: [dataclasses.asdict(r) for r in ranks] for name, ranks in results.items()
-    }
+    raw = {name: [dataclasses.asdict(r) for r in ranks] for name, ranks in results.items()}
     path.write_text(json.dumps({"command": COMMAND, "results": raw}))
 
 
 def load(path: Path) -> tuple[str, dict[str, list[RankResult]]]:
     """The command and results ``save`` wrote."""
     raw = json.loads(path.read_text())
-    results = {
-        name: [RankResult(**r) for r in ranks] for name, ranks in raw["results"].items()
-    }
+    results = {name: [RankResult(**r) for r in ranks] for name, ranks in raw["results"].items()}
     return raw["command"], results
 
 
@@ -349,7 +314,10 @@ def render(
             f"resident memory sampled every {first.samples[1][0]} steps. Slope: "
             "least-squares line through the samples after warm-up (and through each half "
             "of them); heap in use: glibc's bytes allocated and not freed (mallinfo2), the "
-            "same fit.",
+            "same fit; heap held: the bytes glibc holds from the system for its heaps, in use "
+            "or free. Resident memory that rises in steps while heap in use stays flat and heap "
+            "held rises with it is glibc placing the same allocations in a more fragmented "
+            "heap, not memory kept by the program.",
             "",
             f"**Largest slope {worst:.3f} KB/step (target: below 1); every rank within 1 MiB "
             f"of its peak by step {latest}.**",
@@ -367,14 +335,9 @@ def render(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5000, help="steps measured after warm-up")
     parser.add_argument(
-        "--steps", type=int, default=5000, help="steps measured after warm-up"
-    )
-    parser.add_argument(
-        "--sweep-steps",
-        type=int,
-        default=1000,
-        help="the same for the other configurations",
+        "--sweep-steps", type=int, default=1000, help="the same for the other configurations"
     )
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--every", type=int, default=25, help="steps between samples")
@@ -383,16 +346,10 @@ def main() -> None:
         default=None,
         help='comma-separated names, e.g. "demo,gpipe-tied,demo, trace=True" (default: all)',
     )
+    parser.add_argument("--no-write", action="store_true", help="print, leave docs alone")
+    parser.add_argument("--samples", type=Path, help="also write every sample to this JSON file")
     parser.add_argument(
-        "--no-write", action="store_true", help="print, leave docs alone"
-    )
-    parser.add_argument(
-        "--samples", type=Path, help="also write every sample to this JSON file"
-    )
-    parser.add_argument(
-        "--before",
-        type=Path,
-        help="a --samples file of other code, shown for comparison",
+        "--before", type=Path, help="a --samples file of other code, shown for comparison"
     )
     parser.add_argument(
         "--from-samples",
@@ -433,9 +390,7 @@ def measure(
         steps = args.steps if soak.name == "demo" else args.sweep_steps
         results[soak.name] = run(soak, steps, args)
         print("\n".join(table({soak.name: results[soak.name]})[2:]), flush=True)
-        if (
-            args.samples is not None
-        ):  # after each configuration: an interrupted run keeps them
+        if args.samples is not None:  # after each configuration: an interrupted run keeps them
             save(results, args.samples)
     return results
 
