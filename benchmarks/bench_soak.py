@@ -242,16 +242,20 @@ def missing(results: dict[str, list[RankResult]]) -> list[str]:
 
 
 def plot(results: dict[str, list[RankResult]], path: Path) -> None:
-    figure, axes = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+    """Resident memory per rank, a color per configuration (up to 20), the legend below."""
+    figure, axes = plt.subplots(1, 2, figsize=(13, 6), sharex=True)
+    colors = plt.get_cmap("tab20").colors
     for rank, axis in enumerate(axes):
-        for name, ranks in results.items():
+        for (name, ranks), color in zip(results.items(), colors, strict=False):
             steps = [s[0] for s in ranks[rank].samples]
-            axis.plot(steps, [s[1] / 2**20 for s in ranks[rank].samples], label=name, lw=1)
+            rss = [s[1] / 2**20 for s in ranks[rank].samples]
+            axis.plot(steps, rss, label=name, lw=1, color=color)
         axis.set_title(f"rank {rank}")
         axis.set_xlabel("step")
         axis.set_ylabel("resident memory (MiB)")
-    axes[1].legend(fontsize=7, loc="lower right")
-    figure.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=8, loc="lower center", ncol=5)
+    figure.tight_layout(rect=(0, 0.12, 1, 1))
     figure.savefig(path, dpi=90)
     plt.close(figure)
 
@@ -281,7 +285,7 @@ def before(path: Path | None) -> list[str]:
     command, results = load(path)
     return [
         "Before the fix (tied gradients summed by an all_reduce per step, Note [no collective "
-        "per step]), measured by this benchmark on that code "
+        "per step]), measured by this benchmark with that code's src/ first on PYTHONPATH "
         f"(`{command}`):",
         "",
         *table(results),
