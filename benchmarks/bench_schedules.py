@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -58,6 +59,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    command = shlex.join(["python", "benchmarks/bench_schedules.py", *(argv or sys.argv[1:])])
     counts = [int(m) for m in args.microbatches.split(",")]
     configs = [(s, m) for m in counts for s in args.schedules.split(",")]
     systems = args.systems.split(",")
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.render:  # a saved run (--save), perhaps cut short: its finished rounds
         saved = json.loads(Path(args.render).read_text())
         rounds, loads, args.rounds, plan = saved["rounds"], saved["loads"], 0, saved["plan"]
+        command = saved.get("command", command)
         started -= saved["seconds"]
     planned = [] if plan is None else [(PLANNED, plan["pipeline"]["num_microbatches"])]
     if plan is not None:  # every system also runs the plan's (schedule, m), split evenly
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.save:  # every finished run, so a long run cut short still has its figures
                 elapsed = time.perf_counter() - started
                 raw = {"rounds": rounds, "loads": loads, "seconds": elapsed, "plan": plan}
+                raw["command"] = command
                 Path(args.save).write_text(json.dumps(raw))
-    text = render(args, configs, rounds, loads, time.perf_counter() - started, plan)
+    text = render(args, command, configs, rounds, loads, time.perf_counter() - started, plan)
     print(text)
     if not args.no_write:
         write_section(args.section, text)
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def render(
     args: argparse.Namespace,
+    command: str,
     configs: list[tuple[str, int]],
     rounds: dict[str, list[dict[str, Any]]],
     loads: list[float],
@@ -110,16 +115,17 @@ def render(
     plan: dict[str, Any] | None,
 ) -> str:
     batch = Spec("", []).batch
-    loaded = max(loads) > 1
+    loaded = max(loads) > RANKS + 0.5  # the benchmark's own ranks keep RANKS cores busy
     lines = [
         "## Schedules: conveyor vs torch.distributed.pipelining, each out of the box",
         "",
-        f"Command: `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}` "
+        f"Command: `{command}` "
         f"({seconds / 60:.1f} min) on "
         f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}. "
         f"Load average (1 min) during the run: {min(loads):.1f} to {max(loads):.1f}"
         + (
-            " — the CPU was shared with other work (load > 1 on 2 cores), so step times are "
+            f" — the CPU was shared with other work (load above the benchmark's {RANKS} "
+            "ranks), so step times are "
             "noisier and slower than on an idle machine; ratios come from alternating rounds."
             if loaded
             else "."
