@@ -77,15 +77,14 @@ def main(argv: list[str] | None = None) -> None:
         if chosen[0] in SCHEDULES and chosen not in configs:
             configs.append(chosen)
     plain = [("plain", m) for m in sorted({*counts, *(m for _, m in planned)}, reverse=True)]
-    plan_file = Path(tempfile.mkdtemp(), "plan.json")
-    plan_file.write_text(json.dumps(plan))
+    plan_file = "" if plan is None else str(write_plan(plan))
     for index in range(args.rounds):
         order = systems[index % len(systems) :] + systems[: index % len(systems)]
         for system in [*order, "plain"]:  # alternate, so drift in the machine hits all
             todo = plain if system == "plain" else configs
             if system == "conveyor":
                 todo = configs + planned
-            spec = Spec(system, todo, warmup=args.warmup, steps=args.steps, plan=str(plan_file))
+            spec = Spec(system, todo, warmup=args.warmup, steps=args.steps, plan=plan_file)
             result = run_round(spec)
             if "error" in result:
                 raise SystemExit(f"{system} failed: {result['error']}")
@@ -96,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {index} {system}: load {loads[-1]:.1f}", flush=True)
             if args.save:  # every finished run, so a long run cut short still has its figures
                 elapsed = time.perf_counter() - started
-                raw = {"rounds": rounds, "loads": loads, "seconds": elapsed, "plan": plan}
-                raw["command"] = command
+                raw = {
+                    "rounds": rounds, "loads": loads, "seconds": elapsed, "plan": plan,
+                    "command": command,
+                }  # fmt: skip
                 Path(args.save).write_text(json.dumps(raw))
     text = render(args, command, configs, rounds, loads, time.perf_counter() - started, plan)
     print(text)
@@ -189,6 +190,13 @@ def make_plan(given: str | None) -> Path:
     return out
 
 
+def write_plan(plan: dict[str, Any]) -> Path:
+    """``plan`` as a file the ranks read (a saved run's plan, or the one just made)."""
+    path = Path(tempfile.mkdtemp(), "plan.json")
+    path.write_text(json.dumps(plan))
+    return path
+
+
 PLAN_COMMAND = [
     "conveyor", "plan", "--model", "ootb:workload", "--ranks", str(RANKS), "--memory", "4GiB",
     "--batch-size", str(Spec("", []).batch),
@@ -223,7 +231,7 @@ def planned_lines(
     torch_same = f"{statistics.median(same) * 1e3:.0f}" if same else "-"
     plain = medians(rounds["plain"], f"plain/{m}")
     ideal = statistics.median(plain) / RANKS * (m + RANKS - 1) / m if plain else float("nan")
-    split = ", ".join(f"{k}={v}" for k, v in chosen.items() if k not in ("schedule",))
+    split = ", ".join(f"{k}={v}" for k, v in chosen.items() if k != "schedule")
     return [
         "",
         f"Planned: `{' '.join(PLAN_COMMAND)}` (in processes of its own, before the rounds) "
