@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ootb import RANKS, Spec, load_average, run_round
+from ootb import RANKS, Spec, load_average, run_round, shared
 from report import write_section
 
 BUCKETS = [
@@ -168,7 +168,7 @@ def header(args: argparse.Namespace, loads: list[float], seconds: float) -> str:
             "",
             f"Command: `python benchmarks/bench_breakdown.py` ({seconds / 60:.1f} min); load "
             f"average {min(loads):.1f} to {max(loads):.1f}"
-            + (" (CPU shared with other work)" if max(loads) > RANKS + 0.5 else "")
+            + (" (CPU shared with other work)" if shared(loads) else "")
             + f". Same model and batch as the schedules table; each system in its own "
             f"processes, {args.steps} profiled steps after the timed ones. Buckets: each "
             "function's own time (cProfile tottime) by where its code lives.",

@@ -34,7 +34,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ootb import PLANNED, RANKS, ROOT, SCHEDULES, SYSTEMS, Spec, load_average, medians, run_round
+from ootb import (
+    PLANNED,
+    RANKS,
+    ROOT,
+    SCHEDULES,
+    SYSTEMS,
+    Spec,
+    load_average,
+    medians,
+    run_round,
+    shared,
+)
 from report import write_section
 
 PEER_NAMES = {name: cls for name, (_, _, cls) in SCHEDULES.items()}
@@ -81,9 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     for index in range(args.rounds):
         order = systems[index % len(systems) :] + systems[: index % len(systems)]
         for system in [*order, "plain"]:  # alternate, so drift in the machine hits all
-            todo = plain if system == "plain" else configs
-            if system == "conveyor":
-                todo = configs + planned
+            todo = {"plain": plain, "conveyor": configs + planned}.get(system, configs)
             spec = Spec(system, todo, warmup=args.warmup, steps=args.steps, plan=plan_file)
             result = run_round(spec)
             if "error" in result:
@@ -116,7 +125,6 @@ def render(
     plan: dict[str, Any] | None,
 ) -> str:
     batch = Spec("", []).batch
-    loaded = max(loads) > RANKS + 0.5  # the benchmark's own ranks keep RANKS cores busy
     lines = [
         "## Schedules: conveyor vs torch.distributed.pipelining, each out of the box",
         "",
@@ -128,7 +136,7 @@ def render(
             f" — the CPU was shared with other work (load above the benchmark's {RANKS} "
             "ranks), so step times are "
             "noisier and slower than on an idle machine; ratios come from alternating rounds."
-            if loaded
+            if shared(loads)
             else "."
         ),
         "",

@@ -351,6 +351,11 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def shared(loads: list[float]) -> bool:
+    """Whether other work shared the CPU: a load above what the benchmark's own ranks make."""
+    return max(loads) > RANKS + 0.5
+
+
 def medians(rounds: list[dict[str, Any]], key: str) -> list[float]:
     """Each round's median step time of config ``key``."""
     return [statistics.median(r["results"][key]["times"]) for r in rounds if "results" in r]
