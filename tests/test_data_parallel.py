@@ -73,14 +73,22 @@ def check_grads(pipe: conveyor.Pipeline, plain: nn.Module, what: str) -> None:
 
 
 def check_one_reduction_per_stage(pipe: conveyor.Pipeline, what: str) -> None:
-    """Each of the rank's stages is reduced once in the step, right after its last B or W."""
-    assert pipe.recorder is not None
+    """Each of the rank's stages is reduced once in the step: right after its last B or W
+    (FSDP2), or, reduced in flight by DDP's reducer, waited for after every action."""
+    assert pipe.recorder is not None and pipe.data_parallel is not None
     actions = [e.action for e in pipe.recorder.steps[-1][1] if not e.action.startswith("wait")]
     reduced = [a for a in actions if a.startswith("reduce")]
     assert sorted(reduced) == [f"reduce {s}" for s in sorted(pipe.stages)], what
+    in_flight = pipe.data_parallel.in_flight
+    assert bool(in_flight) == (not pipe.config.fsdp and "zb" not in pipe.config.schedule), what
+    computed = [i for i, a in enumerate(actions) if re.fullmatch(r"\d+[FBIW]\d+", a)]
     for stage in pipe.stages:
-        weights = [i for i, a in enumerate(actions) if re.fullmatch(rf"{stage}[BW]\d+", a)]
-        assert actions[weights[-1] + 1] == f"reduce {stage}", (what, actions)
+        at = actions.index(f"reduce {stage}")
+        if stage in in_flight:  # waited for after the last action
+            assert at > computed[-1], (what, actions)
+        else:
+            weights = [i for i, a in enumerate(actions) if re.fullmatch(rf"{stage}[BW]\d+", a)]
+            assert at == weights[-1] + 1, (what, actions)
 
 
 def _equivalence(rank: int, world_size: int) -> None:
@@ -118,10 +126,12 @@ def _equivalence(rank: int, world_size: int) -> None:
             torch.testing.assert_close(norm, plain_norm, rtol=0, atol=1e-12, msg=what)
             check_grads(pipe, plain, f"{what}, clipped")
             assert pipe.ties.max_difference() == 0.0
-    _token_mean_over_replicas()
+    for fsdp in (False, True):
+        _token_mean_over_replicas(fsdp)
+        _sum_over_steps_with_a_weight_without_gradient(fsdp)
 
 
-def _token_mean_over_replicas() -> None:
+def _token_mean_over_replicas(fsdp: bool) -> None:
     """A token-level loss whose replicas count different tokens (2 and 4: replica 0's half
     has two ignored targets) still gives the global batch's token mean and gradients."""
     torch.manual_seed(2)
@@ -130,7 +140,7 @@ def _token_mean_over_replicas() -> None:
     model = tied_model()
     plain = copy.deepcopy(model)
     pipe = conveyor.Pipeline(
-        model, dp=2, fsdp=True, num_microbatches=2, loss_fn=F.cross_entropy,
+        model, dp=2, fsdp=fsdp, num_microbatches=2, loss_fn=F.cross_entropy,
         loss_reduction="token_mean", broadcast_loss=True, timeout_s=15,
     )  # fmt: skip
     share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
@@ -142,7 +152,47 @@ def _token_mean_over_replicas() -> None:
         part.backward()
         expected += part.detach()
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12, msg="token_mean")
-    check_grads(pipe, plain, "token_mean over replicas")
+    check_grads(pipe, plain, f"token_mean over replicas, fsdp={fsdp}")
+
+
+class Shift(nn.Module):
+    """Adds a weight that the loss does not depend on (it is detached): no gradient, ever."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight.detach()
+
+
+def _sum_over_steps_with_a_weight_without_gradient(fsdp: bool) -> None:
+    """A summed loss whose gradients accumulate over two steps, and a weight without any
+    gradient in the last stage: the sum over the global batch of both steps, no gradient."""
+    torch.manual_seed(3)
+    model = nn.Sequential(*tied_model(), Shift(8))
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(
+        model, dp=2, fsdp=fsdp, num_microbatches=2, loss_fn=F.mse_loss,
+        loss_reduction="sum", timeout_s=15,
+    )  # fmt: skip
+    share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+    for step in range(2):
+        x, y = torch.randn(8, 8).double(), torch.randn(8, 8).double()
+        pipe.step(x[share], y[share])
+        for j, (xj, yj) in enumerate(zip(x.tensor_split(4), y.tensor_split(4), strict=True)):
+            torch.manual_seed(conveyor.microbatch_seed(0, step, j))
+            F.mse_loss(plain(xj), yj).backward()
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    what = f"sum over two steps, fsdp={fsdp}"
+    for name, param in pipe.named_parameters():
+        if name.endswith(f"{len(model) - 1}.weight"):
+            assert param.grad is None and expected[name].grad is None, what
+            continue
+        assert param.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(
+            whole(param.grad), expected[name].grad, rtol=0, atol=1e-10, msg=what
+        )
 
 
 def test_dp_x_pp_equals_plain_training_on_the_global_batch(tmp_path: Path) -> None:

@@ -112,3 +112,47 @@ def test_each_stage_is_reduced_right_after_its_last_weight_gradient(name: str) -
             assert event.start == last.end and event.duration == 0.5
     # the reductions that end a rank's step lengthen it; nothing overlaps on a rank
     assert plain.step_time < timeline.step_time <= plain.step_time + 0.5 * num_stages
+
+
+class _ReducingInFlight(_Reducing):
+    """As _Reducing, with the reductions behind the step unless the backward is split."""
+
+    def reduces_in_flight(self, split_backward: bool) -> bool:
+        return not split_backward
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_reductions_in_flight_overlap_the_rest_of_the_step(name: str) -> None:
+    num_stages, placement = _layout(name, 2)
+    graph = chain(num_stages, placement=placement)
+    program = build_program(name, graph, 4)
+    in_line = simulate(program, graph, _Reducing())
+    timeline = simulate(program, graph, _ReducingInFlight())
+    for rank in range(2):
+        events = timeline.on(rank)
+        reduced = [e for e in events if e.kind == "reduce"]
+        # a reduction shows as the wait for it after the rank's last action
+        assert all(e.start >= max(x.end for x in events if x.kind != "reduce") for e in reduced)
+        # one after another from the first stage's last backward: the rank ends no earlier
+        last_backward = {
+            s: max(e.end for e in events if e.stage == s and e.kind == "backward")
+            for s in range(num_stages)
+            if placement[s] == rank
+        }
+        ends, free = [], 0.0
+        for stage in sorted(last_backward, key=last_backward.__getitem__):
+            free = max(free, last_backward[stage]) + 0.5
+            ends.append(free)
+        assert max(e.end for e in events) == pytest.approx(
+            max([*ends, max(x.end for x in events if x.kind != "reduce")])
+        )
+    # what the reductions overlap no longer adds to the step
+    assert timeline.step_time < in_line.step_time
+
+
+def test_a_split_backward_keeps_its_reductions_in_line() -> None:
+    num_stages, placement = _layout("zb-v", 2)
+    graph = chain(num_stages, placement=placement)
+    program = build_program("zb-v", graph, 4)
+    in_flight = simulate(program, graph, _ReducingInFlight())
+    assert in_flight.events == simulate(program, graph, _Reducing()).events

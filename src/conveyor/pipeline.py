@@ -32,6 +32,7 @@ from conveyor.parallel import (
 )
 from conveyor.parallel.data_parallel import local
 from conveyor.parallel.tensor_parallel import check_plan
+from conveyor.program import Kind
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
@@ -180,6 +181,7 @@ class Pipeline:
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
         if self.data_parallel is not None:
+            self._runtime.before_last_backward = self.data_parallel.arm
             self._runtime.on_weights_done = self._reduce_stage
         if config.trace or config.trace_dir:
             self._start_trace(p2p)
@@ -204,18 +206,39 @@ class Pipeline:
             self.stages,
             mesh.dp_mesh,
             fsdp=config.fsdp,
+            split_backward=any(a.kind is Kind.W for actions in self.program for a in actions),
+            tensor_parallel=mesh.tp_mesh is not None and bool(tp_plan),
+            tied=[shared.param for shared in self.ties.params],
+            timeout=timedelta(seconds=config.timeout_s),
             reshard_after_forward=config.reshard_after_forward,
             reduction=config.loss_reduction,
         )
 
     def _reduce_stage(self, stage: int) -> None:
-        """Reduce a stage's gradients over the replicas as soon as its backward is done."""
+        """Reduce a stage's gradients over the replicas as soon as its backward is done (a
+        stage whose reduction is in flight already: its wait comes at the step's end)."""
         assert self.data_parallel is not None
+        if stage not in self.data_parallel.in_flight:
+            with self._recorded(f"{REDUCE} {stage}"):
+                self.data_parallel.stage_done(stage)
+
+    def _finish_reductions(self) -> None:
+        """Wait for the reductions in flight (recorded as the stages' reductions), then
+        reduce the parameters two local stages share."""
+        assert self.data_parallel is not None
+        for stage in self.data_parallel.in_flight:
+            with self._recorded(f"{REDUCE} {stage}"):
+                self.data_parallel.wait(stage)
+        self.data_parallel.end_step()
+
+    @contextmanager
+    def _recorded(self, action: str) -> Iterator[None]:
+        """Record what runs inside as ``action`` when tracing."""
         recorder = self.recorder
         start = 0.0 if recorder is None else recorder.now()
-        self.data_parallel.stage_done(stage)
+        yield
         if recorder is not None:
-            recorder.add(f"{REDUCE} {stage}", start, recorder.now())
+            recorder.add(action, start, recorder.now())
 
     def _materialize(
         self, ties: list[Tie], weights: str | os.PathLike[str] | None
@@ -309,7 +332,7 @@ class Pipeline:
                 self.data_parallel.begin_step()
             state = self._runtime.run(self.program[self.rank], step_inputs)
             if self.data_parallel is not None:
-                self.data_parallel.end_step()
+                self._finish_reductions()
         if recorder is not None:
             recorder.end_step()
         self.step_index += 1

@@ -41,7 +41,9 @@ class CostModel(Protocol):
     ends), ``activation_after_input(stage, microbatch)`` (bytes still held between a split
     backward's I and W), ``resident_bytes(stage)`` (bytes held while any micro-batch of the
     stage is) and ``recompute(action)`` (the part of a backward's time that recomputes its
-    forward, shown as its own event); they default to zero.
+    forward, shown as its own event); they default to zero. ``reduce(stage)`` is the time
+    of the stage's data-parallel gradient reduction after its last B or W: in line, unless
+    ``reduces_in_flight(split_backward)`` says it runs behind the rest of the step.
     """
 
     def compute(self, action: Action) -> float: ...
@@ -153,6 +155,12 @@ class _Execution:
         self.recompute = getattr(cost, "recompute", None)
         self.reduce = getattr(cost, "reduce", None)
         self.reduced_after = [last_weight_actions(actions) for actions in program]
+        in_flight = getattr(cost, "reduces_in_flight", None)
+        split_backward = any(a.kind is Kind.W for actions in program for a in actions)
+        self.reduces_in_flight = bool(in_flight and in_flight(split_backward))
+        """Reductions run behind the step (DDP's reducer), one at a time per rank."""
+        self.in_flight: list[list[tuple[int, float]]] = [[] for _ in range(num_ranks)]
+        """(stage, end) of each rank's reductions in flight."""
 
     def run(self) -> Timeline:
         program = self.program
@@ -190,6 +198,7 @@ class _Execution:
                     )
                 )
                 self.clock[rank] = self.last_arrival[rank]
+            self._wait_for_reductions(rank)
         return Timeline(
             num_ranks, sorted(self.events, key=lambda e: (e.rank, e.start)), "simulated"
         )
@@ -260,10 +269,22 @@ class _Execution:
         self.clock[rank] = end
         stage = self.reduced_after[rank].get(self.pc[rank])
         seconds = 0.0 if stage is None or self.reduce is None else self.reduce(stage)
-        if seconds > 0:
+        if seconds > 0 and self.reduces_in_flight:
+            assert stage is not None
+            earlier = self.in_flight[rank]
+            start = max(end, earlier[-1][1]) if earlier else end
+            earlier.append((stage, start + seconds))
+        elif seconds > 0:
             self.clock[rank] = end + seconds
             self.add(Event(rank, f"{REDUCE} {stage}", end, self.clock[rank]))
         return True
+
+    def _wait_for_reductions(self, rank: int) -> None:
+        """The runtime waits for the reductions in flight at the step's end, stage by stage."""
+        for stage, end in self.in_flight[rank]:
+            if end > self.clock[rank]:
+                self.add(Event(rank, f"{REDUCE} {stage}", self.clock[rank], end))
+                self.clock[rank] = end
 
     def _account(self, rank: int, action: Action) -> None:
         """Activation bytes, as the runtime's meter counts them: held from a forward's end

@@ -1,9 +1,12 @@
 """Data parallelism over a pipeline's replicas: each rank's stages replicated or sharded with
 FSDP2, their gradients reduced once per step.
 
-    data = DataParallel(pipe.stages, mesh.dp_mesh, fsdp=True)
-    data.begin_step(); ...; data.stage_done(s)  # as each stage's last B or W runs
-    data.end_step()                             # parameters shared by two local stages
+    data = DataParallel(pipe.stages, mesh.dp_mesh, fsdp=True, split_backward=False)
+    data.begin_step()
+    data.arm(s, roots)   # just before each stage's last full backward (B)
+    data.stage_done(s)   # right after each stage's last B or W
+    data.wait(s)         # at the step's end, for each stage reduced in flight
+    data.end_step()      # parameters shared by two local stages (or tied to another rank)
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,12 +23,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from conveyor.runtime.loss import LossReduction
 from conveyor.runtime.peers import PeerLostError
 from conveyor.torch_compat import fsdp_reduce_gradients, replicate
 
-__all__ = ["DataParallel", "local"]
+if TYPE_CHECKING:  # torch.distributed.GradBucket, which torch's stubs do not export
+    from torch._C._distributed_c10d import GradBucket
+
+__all__ = ["DataParallel", "local", "reduces_in_flight"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +45,7 @@ logger = logging.getLogger(__name__)
 # backward runs with gradient sync and resharding off (gradients accumulate unsharded, the
 # gathered parameters stay for the deferred W), and the reduction runs once, by hand, right
 # after the last action that adds to the stage's weight gradients (its last B or W,
-# Runtime.on_weights_done). The reduction of a stage that finishes early overlaps the other
-# stages' remaining backward. Every replica runs the same program, so the collectives of a
+# Runtime.on_weights_done). Every replica runs the same program, so the collectives of a
 # stage's replicas meet in the same order and cannot deadlock when the pipeline cannot.
 # FSDP2 wants one root module per state, so each stage is wrapped alone; a parameter shared
 # by two stages of one rank (a weight tied within the rank, as in a V placement) is left out
@@ -46,10 +54,31 @@ logger = logging.getLogger(__name__)
 # gradient only if every replica's loss averages over as much; so each replica weighs its
 # micro-batches by their share of the count over all replicas (loss_weights), which also
 # covers token-level losses whose counted tokens differ between replicas.
+#
+# Note [reductions in flight]:
+# A replicated stage (no FSDP) whose schedule has no split backward is reduced by DDP's own
+# reducer instead, which FSDP2's replicate cannot match on a CPU: there FSDP2 runs its
+# collective in line and copies the gradients three times around it (into a flat buffer,
+# through a reduce-scatter over a shard group of one, back out), while DDP's reducer
+# all-reduces 25 MiB buckets as the backward fills them, in place when the gradients are
+# views of its buckets. It is armed (prepare_for_backward) just before the stage's last B,
+# as torch.distributed.pipelining arms it before its last backward; the earlier micro-batches
+# accumulate without it. Each bucket's all-reduce starts from a communication hook that
+# hands DDP the bucket as already reduced, so the backward never waits for one: the
+# reduction runs behind the rest of the step (the input gradients sent on, the other
+# stages' actions) and end_step waits for it, before any optimizer can read a gradient. The
+# buckets go over a group of their own: at the end of the backward the reducer waits for a
+# small all-reduce of its own (which parameters were used), and on one group that would queue
+# behind the buckets' all-reduces and hold the backward until they were done. The
+# reducer looks for parameters the last micro-batch did not use (find_unused_parameters):
+# they are reduced with the rest (a gradient DDP has made a view of its bucket is reduced
+# in place whether or not it was used), and a parameter no replica ever used keeps no
+# gradient, as under FSDP2.
 class DataParallel:
     """This rank's stages over the replicas of ``mesh``: FSDP2 ``fully_shard`` with ``fsdp``,
-    else FSDP2's ``replicate``; gradients are those of the global batch's mean loss (or of
-    the sum with ``reduction="sum"``), reduced once per step."""
+    else DDP's reducer (without a split backward or tensor parallelism) or FSDP2's
+    ``replicate``; gradients are those of the global batch's mean loss (or of the sum with
+    ``reduction="sum"``), reduced once per step."""
 
     def __init__(
         self,
@@ -57,19 +86,38 @@ class DataParallel:
         mesh: DeviceMesh,
         *,
         fsdp: bool,
+        split_backward: bool,
+        tensor_parallel: bool = False,
+        tied: Sequence[nn.Parameter] = (),
         reshard_after_forward: bool = False,
         reduction: LossReduction = "mean",
+        timeout: timedelta = timedelta(minutes=10),
     ) -> None:
         self.stages = stages
         self.group = mesh.get_group()
-        self.shared = _shared_parameters(stages)
-        """Parameters of several local stages: left out of FSDP, reduced at the step's end."""
+        self.reduces_in_flight = reduces_in_flight(fsdp, split_backward, tensor_parallel)
+        """Whether DDP's reducer reduces the stages; See Note [reductions in flight]."""
+        self.shared = _shared_parameters(stages, tied if self.reduces_in_flight else ())
+        """Parameters reduced at the step's end: those of several local stages, and, in
+        flight, those tied to another rank's stage (whose gradients TiedWeights sets)."""
         self.device = torch.device(mesh.device_type)
-        self._divisor = 1 if reduction == "sum" else mesh.size()
+        self._divisor = 1 if reduction == "sum" and not self.reduces_in_flight else mesh.size()
         self._before: list[torch.Tensor | None] = []
         _broadcast_from_first_replica(stages.values(), self.group)
         ignored = set(self.shared)
-        for module in stages.values():
+        self.in_flight: dict[int, _Buckets] = {}
+        """Stages DDP's reducer reduces, by index; See Note [reductions in flight]."""
+        self._fsdp: dict[int, FSDPModule] = {}
+        buckets_group = None
+        for stage, module in stages.items():
+            if self.reduces_in_flight:
+                params = [p for p in module.parameters() if p.requires_grad and p not in ignored]
+                if params:
+                    buckets_group = buckets_group or _same_ranks(self.group, timeout)
+                    self.in_flight[stage] = _Buckets(
+                        stage, params, self.group, buckets_group, self._divisor
+                    )
+                continue
             if fsdp:
                 fully_shard(
                     module,
@@ -79,16 +127,17 @@ class DataParallel:
                 )
             else:
                 replicate(module, mesh, ignored)
-            if reduction == "sum":  # losses add over replicas: so do their gradients
-                _fsdp(module).set_gradient_divide_factor(1.0)
+            self._fsdp[stage] = _fsdp(module)
+            if self._divisor == 1:  # losses add over replicas: so do their gradients
+                self._fsdp[stage].set_gradient_divide_factor(1.0)
 
     def begin_step(self) -> None:
-        """Turn gradient sync and resharding off until each stage's last backward is done.
+        """Turn FSDP2's gradient sync and resharding off until each stage's last backward is
+        done.
 
         See Note [one reduction per step].
         """
-        for module in self.stages.values():
-            fsdp = _fsdp(module)
+        for fsdp in self._fsdp.values():
             fsdp.set_requires_gradient_sync(False)
             fsdp.set_reshard_after_backward(False)
             fsdp.set_is_last_backward(False)
@@ -98,29 +147,54 @@ class DataParallel:
         """This replica's micro-batch weights, so that the gradients reduced over the replicas
         are those of the global batch: a mean weighs each micro-batch by its share of the
         count over every replica (samples, or tokens a token-level loss counts, which differ
-        between replicas), times the replicas FSDP divides by. One small all-reduce.
+        between replicas), times the replicas the reduction divides by (a sum, by that
+        alone). One small all-reduce for a mean.
 
         See Note [one reduction per step].
         """
-        if reduction == "sum":
-            return [1.0] * len(counts)
+        if reduction == "sum":  # the replicas' sum, divided by what the reduction divides by
+            return [float(self._divisor)] * len(counts)
         total = torch.tensor(sum(counts), dtype=torch.int64, device=self.device)
         with self._naming_lost("adding up the replicas' loss counts"):
             dist.all_reduce(total, group=self.group)
         whole = int(total)
         return [count * self._divisor / whole if whole else 0.0 for count in counts]
 
+    def arm(self, stage: int, roots: Sequence[torch.Tensor]) -> None:
+        """The stage's last full backward (B) starts from ``roots``: let DDP's reducer reduce
+        its buckets as it fills them.
+
+        See Note [reductions in flight].
+        """
+        buckets = self.in_flight.get(stage)
+        if buckets is not None:
+            buckets.arm(roots)
+
     def stage_done(self, stage: int) -> None:
-        """The stage's gradients are complete for this step: reduce them over the replicas.
+        """The stage's gradients are complete for this step: reduce those of an FSDP2 stage
+        over the replicas (a stage in flight is reduced already).
 
         Raises:
             PeerLostError: a replica did not join the reduction in time, naming them all.
         """
+        if stage in self._fsdp:
+            with self._naming_lost(f"reducing stage {stage}'s gradients"):
+                fsdp_reduce_gradients(self.stages[stage])
+
+    def wait(self, stage: int) -> None:
+        """Wait for the reduction in flight of ``stage``'s gradients.
+
+        Raises:
+            PeerLostError: a replica did not join the reduction in time, naming them all.
+        """
+        buckets = self.in_flight[stage]
         with self._naming_lost(f"reducing stage {stage}'s gradients"):
-            fsdp_reduce_gradients(self.stages[stage])
+            buckets.wait()
+        buckets.check_finished()
 
     def end_step(self) -> None:
-        """Reduce what this step added to the gradients of the shared parameters."""
+        """Reduce what this step added to the gradients of the shared parameters (after
+        ``wait`` for every stage in flight)."""
         for param, old in zip(self.shared, self._before, strict=True):
             if param.grad is None:
                 continue
@@ -146,8 +220,99 @@ class DataParallel:
 
     def reshard(self) -> None:
         """Free gathered parameters (after inference, which has no backward to do it)."""
-        for module in self.stages.values():
-            _fsdp(module).reshard()
+        for fsdp in self._fsdp.values():
+            fsdp.reshard()
+
+
+def reduces_in_flight(fsdp: bool, split_backward: bool, tensor_parallel: bool = False) -> bool:
+    """Whether a replicated stage's gradients are reduced by DDP's reducer during its last
+    backward, behind the rest of the step (else by FSDP2 right after it, in line): when the
+    stage is not sharded, its weight gradients come from its backward's own autograd hooks
+    (no split backward) and its parameters are plain tensors (no tensor parallelism).
+
+    See Note [reductions in flight].
+    """
+    return not fsdp and not split_backward and not tensor_parallel
+
+
+class _Buckets:
+    """DDP's reducer over one stage's parameters, driven by hand: armed before the stage's
+    last backward, its buckets' all-reduces started by a hook and waited for at the step's
+    end; See Note [reductions in flight]."""
+
+    def __init__(
+        self,
+        stage: int,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        buckets_group: dist.ProcessGroup,
+        divisor: int,
+    ) -> None:
+        self.stage = stage
+        self._group = buckets_group
+        self._divisor = divisor
+        # never in any graph: the reducer's search for unused parameters always finds one,
+        # and so does not warn on every rank that it found none
+        self._unused = nn.Parameter(torch.zeros(1, device=params[0].device))
+        self._ddp = DistributedDataParallel(
+            nn.ParameterList([*params, self._unused]),
+            process_group=group,
+            init_sync=False,  # every replica starts from replica 0's state already
+            gradient_as_bucket_view=True,
+            find_unused_parameters=True,
+        )
+        # a lambda: DDP checks a hook's annotations against classes, which postponed
+        # annotations (this module's) would fail
+        self._ddp.register_comm_hook(self, lambda buckets, bucket: buckets.start(bucket))
+        self._works: list[dist.Work] = []
+        self._armed = self._finished = False
+
+    def arm(self, roots: Sequence[torch.Tensor]) -> None:
+        self._ddp.reducer.prepare_for_backward(list(roots))
+        self._armed, self._finished = True, False
+
+    def start(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Start the bucket's all-reduce, in place, and tell DDP it is done already."""
+        buffer = bucket.buffer()
+        if self._divisor != 1:
+            buffer.div_(self._divisor)
+        work = dist.all_reduce(buffer, group=self._group, async_op=True)
+        assert work is not None
+        self._works.append(work)
+        self._finished = bucket.is_last()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    def wait(self) -> None:
+        """Wait for every bucket's all-reduce of this step."""
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+    def check_finished(self) -> None:
+        """Raise if the reducer was armed and did not reduce every bucket."""
+        if self._armed and not self._finished:
+            self._armed = False
+            raise RuntimeError(
+                f"stage {self.stage}: the last micro-batch's backward reached none of the "
+                "stage's parameters, so DDP's reducer never reduced them; give it a path "
+                "to them, or pass fsdp=True, whose reduction does not depend on the backward"
+            )
+        self._armed = False
+
+
+def _same_ranks(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
+    """A second group of ``group``'s ranks (made by them alone), for the buckets' all-reduces:
+    DDP's reducer waits at the end of the backward for a small all-reduce of its own, which
+    would queue behind the buckets' on one group; See Note [reductions in flight]."""
+    made: dist.ProcessGroup = dist.new_group(
+        dist.get_process_group_ranks(group),
+        backend=dist.get_backend(group),
+        timeout=timeout,
+        use_local_synchronization=True,
+    )
+    return made
 
 
 def _fsdp(module: nn.Module) -> FSDPModule:
@@ -155,10 +320,13 @@ def _fsdp(module: nn.Module) -> FSDPModule:
     return module
 
 
-def _shared_parameters(stages: dict[int, nn.Module]) -> list[nn.Parameter]:
-    """Parameters that more than one of ``stages`` holds, in a fixed order."""
+def _shared_parameters(
+    stages: dict[int, nn.Module], also: Sequence[nn.Parameter]
+) -> list[nn.Parameter]:
+    """Parameters that more than one of ``stages`` holds, and those of ``also`` the stages
+    hold, in a fixed order."""
     seen: dict[int, nn.Parameter] = {}
-    shared: dict[int, nn.Parameter] = {}
+    shared: dict[int, nn.Parameter] = {id(p): p for p in also}
     for module in stages.values():
         for param in set(module.parameters()):
             if id(param) in seen:

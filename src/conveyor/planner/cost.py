@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph
+from conveyor.parallel.data_parallel import reduces_in_flight
 from conveyor.planner.profile import Link, Profile, UnitStats
 from conveyor.program import Action, Kind, Program
 from conveyor.runtime.recompute import RecomputeMode, is_recomputed
@@ -110,8 +111,9 @@ def _output_unit(profile: Profile) -> int:
 class Replicas:
     """Data-parallel replicas of a pipeline, as what they cost each rank per step.
 
-    Gradients are reduced over the replicas once per step, right after each stage's last B or
-    W (conveyor.parallel.data_parallel), by a ring all-reduce: 2(d-1) steps that each move
+    Gradients are reduced over the replicas once per step, from each stage's last B or W on
+    (conveyor.parallel.data_parallel: behind the rest of the step, or in line with FSDP or
+    a split backward), by a ring all-reduce: 2(d-1) steps that each move
     1/d of the bytes over ``link`` (``conveyor.planner.measure_allreduce`` fits one to a
     timed all-reduce; a point-to-point link also serves, paying its calls' time per byte).
     With ``fsdp`` the reduction is a reduce-scatter (half of that), the parameters are
@@ -281,7 +283,7 @@ class ProfileCost:
             for d in {stage_of[c] for c in consumers[u] if stage_of[c] != stage_of[u]}:
                 key = (stage_of[u], d)
                 self._edge_bytes[key] = self._edge_bytes.get(key, 0) + stats[u].message_bytes
-        replicas = replicas or Replicas(1, None)
+        replicas = self.replicas = replicas or Replicas(1, None)
         self._static = [0] * graph.num_ranks
         self._reduce, self._gather = [], []
         for s, members in enumerate(stage_units):
@@ -316,8 +318,14 @@ class ProfileCost:
         return 0.0
 
     def reduce(self, stage: int) -> float:
-        """Seconds the stage's rank spends reducing its gradients over the replicas."""
+        """Seconds the stage's gradient reduction over the replicas takes."""
         return self._reduce[stage]
+
+    def reduces_in_flight(self, split_backward: bool) -> bool:
+        """Whether the reductions run behind the rest of the step (DDP's reducer), as
+        ``conveyor.parallel.DataParallel`` chooses, rather than in line after each stage's
+        last B or W (FSDP2)."""
+        return reduces_in_flight(self.replicas.fsdp, split_backward)
 
     def message_bytes(self, action: Action) -> int:
         """Bytes a send or receive carries: the edge's values (and, forward, the RNG state)."""

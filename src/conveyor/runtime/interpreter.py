@@ -113,6 +113,11 @@ class Runtime:
         """Called with a stage once the step's last action adding to its weight gradients (its
         last B or W) has run: data parallelism reduces that stage's gradients then, while the
         rest of the step runs (conveyor.parallel.data_parallel)."""
+        self.before_last_backward: Callable[[int, list[torch.Tensor]], None] | None = None
+        """Called with a stage and the tensors its step's last B backpropagates from, just
+        before it runs: data parallelism arms DDP's reducer then (conveyor.parallel)."""
+        self._last_backward: set[tuple[int, int]] = set()
+        """(stage, micro-batch) of each stage's last B in the step being run."""
         self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
         self.compile_timeout: timedelta | None = None
         """Longest wait for a peer in a step that compiles stages (Pipeline.compile)."""
@@ -142,6 +147,9 @@ class Runtime:
         recorder = self.recorder
         self._input_grads.begin()
         done = last_weight_actions(actions) if self.on_weights_done is not None else {}
+        self._last_backward = {
+            (a.stage, a.microbatch) for i, a in enumerate(actions) if i in done and a.kind is Kind.B
+        }
         with torch.set_grad_enabled(step.is_training), self._compile_allowance(step):
             if step.fingerprint is not None:
                 what = f"step {step.step_index}" if step.is_training else "a forward() call"
@@ -298,6 +306,8 @@ class Runtime:
     def _backward(self, action: Action) -> None:
         s, k = action.stage, action.microbatch
         roots, grads = self._roots(s, k)
+        if roots and (s, k) in self._last_backward and self.before_last_backward is not None:
+            self.before_last_backward(s, roots)
         if roots:
             torch.autograd.backward(roots, grads)
         inputs = self._state.inputs.pop((s, k), {})
