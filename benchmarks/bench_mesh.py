@@ -7,8 +7,9 @@ Block, embedding, head and loss costs are measured here (bench_scale.py: a GPT b
 all-reduce link is fitted to all-reduces timed on two local gloo ranks
 (conveyor.planner.measure_allreduce), and the ring model built on it
 (conveyor.planner.Replicas) is first checked against all-reduces timed on their own. Each
-layout is then simulated with 1F1B, an even split and its gradient reductions right after
-each stage's last backward; the global batch is 16 sequences per rank (each replica gets
+layout is then simulated with 1F1B, an even split and its gradient reductions from each
+stage's last backward on, behind the rest of the step (DDP's reducer, as the runtime runs
+them; Note [reductions in flight]); the global batch is 16 sequences per rank (each replica gets
 4 x pp micro-batches), as a weak-scaling run keeps the work per rank fixed.
 """
 
@@ -217,8 +218,9 @@ def main() -> None:
             "",
             "Predicted throughput (sequences/s) of every dp x pp layout, 1F1B, even split, "
             "global batch 16 sequences per rank (4 x pp micro-batches of 4 per replica); in "
-            "brackets the share of rank-time not computing (bubble and reductions), the "
-            "share of the step the busiest rank spends reducing gradients, and the memory of "
+            "brackets the share of rank-time not computing (bubble and the reductions' waits), "
+            "the share of the step the busiest rank's reductions take (behind the rest of the "
+            "step, from each stage's last backward on), and the memory of "
             "the fullest rank in GiB. On the all-reduce link measured here:",
             "",
             *slow,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "GradBucket",
     "backend_options",
     "close_gloo_group",
     "default_store",
@@ -34,6 +35,14 @@ __all__ = [
 ]
 """Internal to conveyor: listed so that its modules may import them."""
 
+
+# What DDP's communication hooks receive: public as ``torch.distributed.GradBucket``, but
+# torch's type stubs declare it only in its C extension's. Import it from there once the
+# stubs export it.
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import GradBucket
+else:
+    GradBucket = dist.GradBucket
 
 _CLOSING_TAG = 0x0C0FFEE
 """A point-to-point tag conveyor never sends on (it sends on tag 0)."""

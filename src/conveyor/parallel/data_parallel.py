@@ -15,7 +15,6 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,10 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from conveyor.runtime.loss import LossReduction
 from conveyor.runtime.peers import PeerLostError
-from conveyor.torch_compat import fsdp_reduce_gradients, replicate
-
-if TYPE_CHECKING:  # torch.distributed.GradBucket, which torch's stubs do not export
-    from torch._C._distributed_c10d import GradBucket
+from conveyor.torch_compat import GradBucket, fsdp_reduce_gradients, replicate
 
 __all__ = ["DataParallel", "local", "reduces_in_flight"]
 
