@@ -108,6 +108,11 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                     samples[key].append(value)
         if rank == 0:
             torch.save(samples, out)
+        # the last collective's worker thread must let go of its tensor (which takes the GIL)
+        # before a group's last owner frees it: a group is freed holding the GIL and joins
+        # its threads, so freeing DDP right after a collective can hang (torch 2.13, gloo)
+        dist.barrier()
+        del pipe, alone, ddp
     finally:
         dist.destroy_process_group()
 

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -507,13 +507,14 @@ class Pipeline:
                 f"and needs its labels; pass them in the batch, e.g. {{'input_ids': ids, "
                 f"'{LABELS}': ids}}"
             )
-        weights = [1.0] * m
+        weights: Sequence[float] = [1.0] * m
         if size:
             kind, counts = self._loss_counts(chunks, split_targets)
-            data = self.data_parallel if is_training else None
-            weights = (
-                loss_weights(kind, counts) if data is None else data.loss_weights(kind, counts)
-            )
+            data = self.data_parallel
+            if data is None or not is_training or self.graph.sink not in self.stages:
+                weights = loss_weights(kind, counts)  # over the replicas: for the loss only
+            else:
+                weights = data.loss_weights(kind, counts)
         where = f"rank {self.rank} (stages {list(self.stages)})"
         mine = fingerprint(
             bound, targets, is_training, self.device, size, self._unset.problem(where)

@@ -12,9 +12,10 @@ FSDP2, their gradients reduced once per step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -139,12 +140,14 @@ class DataParallel:
             fsdp.set_is_last_backward(False)
         self._before = [None if p.grad is None else p.grad.clone() for p in self.shared]
 
-    def loss_weights(self, reduction: LossReduction, counts: Sequence[int]) -> list[float]:
+    def loss_weights(self, reduction: LossReduction, counts: Sequence[int]) -> Sequence[float]:
         """This replica's micro-batch weights, so that the gradients reduced over the replicas
         are those of the global batch: a mean weighs each micro-batch by its share of the
         count over every replica (samples, or tokens a token-level loss counts, which differ
         between replicas), times the replicas the reduction divides by (a sum, by that
-        alone). One small all-reduce for a mean.
+        alone). For a mean, the counts' total is all-reduced while the step runs: the first
+        weight read (the first loss) waits for it. Collective over the replicas of the rank
+        that holds the last stage, the only one that reads them.
 
         See Note [one reduction per step].
         """
@@ -152,9 +155,16 @@ class DataParallel:
             return [float(self._divisor)] * len(counts)
         total = torch.tensor(sum(counts), dtype=torch.int64, device=self.device)
         with self._naming_lost("adding up the replicas' loss counts"):
-            dist.all_reduce(total, group=self.group)
-        whole = int(total)
-        return [count * self._divisor / whole if whole else 0.0 for count in counts]
+            work = dist.all_reduce(total, group=self.group, async_op=True)
+        assert work is not None
+
+        def weights() -> list[float]:
+            with self._naming_lost("adding up the replicas' loss counts"):
+                work.wait()
+            whole = int(total)
+            return [count * self._divisor / whole if whole else 0.0 for count in counts]
+
+        return _Pending(weights, len(counts))
 
     def arm(self, stage: int, roots: Sequence[torch.Tensor]) -> None:
         """The stage's last full backward (B) starts from ``roots``: let DDP's reducer reduce
@@ -218,6 +228,27 @@ class DataParallel:
         """Free gathered parameters (after inference, which has no backward to do it)."""
         for fsdp in self._fsdp.values():
             fsdp.reshard()
+
+
+class _Pending(Sequence[float]):
+    """A sequence of floats computed on first read (by ``compute``, which may wait)."""
+
+    def __init__(self, compute: Callable[[], list[float]], length: int) -> None:
+        self._compute: Callable[[], list[float]] | None = compute
+        self._values: list[float] = []
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[float]: ...
+    def __getitem__(self, index: int | slice) -> float | Sequence[float]:
+        if self._compute is not None:
+            self._values, self._compute = self._compute(), None
+        return self._values[index]
 
 
 def reduces_in_flight(fsdp: bool, split_backward: bool, tensor_parallel: bool = False) -> bool:
