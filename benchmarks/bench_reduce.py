@@ -155,7 +155,10 @@ def main() -> None:
         "around 1.0; with several stages, conveyor's wait moves behind the input gradients "
         "sent on and the other stages' work. On this machine the all-reduce competes with "
         "the backward for the two cores (each process has a compute thread and gloo's), "
-        "which is why it costs more than the floor. Before this, conveyor reduced replicated "
+        "which is why it costs more than the floor. The one other collective of the step, "
+        "adding up the replicas' loss counts (so that the gradients are the global batch's "
+        "mean), runs while the first forward does, and only on the last stage's replicas. "
+        "Before this, conveyor reduced replicated "
         "stages with FSDP2's replicate after the backward, in line: 1.34-1.49x DDP's cost, "
         "from FSDP2 copying the gradients three times around its all-reduce."
     )
