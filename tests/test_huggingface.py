@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import conveyor
 from dist import run_ranks
@@ -120,6 +121,43 @@ def _language_models(rank: int, world_size: int) -> None:
 
 def test_language_models_train_as_plain_on_two_ranks(tmp_path: Path) -> None:
     run_ranks(_language_models, tmp_path, 2, timeout_s=400)
+
+
+def _replicated_language_model(rank: int, world_size: int) -> None:
+    """dp=2 x pp=2: each replica trains on its half of the batch (with different numbers of
+    counted tokens), the tied embedding and head on two ranks; reduced by DDP's reducer
+    (1F1B) or FSDP2 (ZB-H1)."""
+    batches = [text_batch(), text_batch(masked_lm=True)]
+    for schedule in ("1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        model = gpt2()
+        plain = copy.deepcopy(model)
+        pipe = conveyor.Pipeline(
+            model, dp=2, num_microbatches=2, example_inputs=batches[0], timeout_s=30,
+            split_points=["transformer.h.2"], schedule=schedule, broadcast_loss=True,
+        )  # fmt: skip
+        share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+        for batch in batches:  # two steps: the gradients accumulate
+            loss = pipe.step({k: v[share] for k, v in batch.items()})
+            expected = plain(**batch).loss
+            expected.backward()
+            assert loss is not None
+            assert float(loss) == pytest.approx(float(expected), rel=1e-5), schedule
+        reference = dict(plain.named_parameters(remove_duplicate=False))
+        for name, parameter in pipe.named_parameters():
+            assert parameter.grad is not None, f"{schedule}: {name} has no gradient"
+            grad = parameter.grad
+            torch.testing.assert_close(
+                grad.full_tensor() if isinstance(grad, DTensor) else grad,
+                reference[name].grad,
+                msg=lambda m, n=name: f"{schedule}: {n}: {m}",
+            )
+
+
+def test_a_replicated_language_model_trains_as_plain_on_the_global_batch(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_replicated_language_model, tmp_path, 4, timeout_s=300)
 
 
 def _seq2seq(rank: int, world_size: int) -> None:
