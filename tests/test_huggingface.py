@@ -150,7 +150,7 @@ def _replicated_language_model(rank: int, world_size: int) -> None:
             torch.testing.assert_close(
                 grad.full_tensor() if isinstance(grad, DTensor) else grad,
                 reference[name].grad,
-                msg=lambda m, n=name: f"{schedule}: {n}: {m}",
+                msg=lambda m, n=name, s=schedule: f"{s}: {n}: {m}",
             )
 
 
