@@ -12,15 +12,14 @@ in flight (the naive pipeline) and with 2 groups, all in the same processes, alt
 generation at a time (the unsplit ones on rank 0 while rank 1 waits). Time to first token and
 decode throughput come from the same run (``DecodePipeline.stats``); medians of the repeats.
 Predicted: each stage profiled on both ranks at once
-(``conveyor.inference.cost.profile_stage``), the link measured between the two ranks
-(``conveyor.planner.calibrate``), the runtime's cost per message fitted to the traced naive
-pipeline of each case, and the decode Program simulated.
+(``conveyor.inference.cost.profile_stage``), the link and the runtime's per-message costs
+measured between the two ranks
+(``conveyor.planner.calibrate``), and the decode Program simulated.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import platform
@@ -90,8 +89,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     )
     link, overheads = measure_link(), measure_overheads()
     plain = model(args)
-    decoder = DecodePipeline(model(args), timeout_s=900, trace=True)
-    results: dict[str, Any] = {"link": link, "overheads": overheads, "runs": {}, "calls": {}}
+    decoder = DecodePipeline(model(args), timeout_s=900)
+    results: dict[str, Any] = {"link": link, "overheads": overheads, "runs": {}}
     for batch, prompt in CASES:
         ids = prompts(batch, prompt)
         runs: dict[str, Callable[[], GenerationStats | None]] = {}
@@ -99,9 +98,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             runs[f"unsplit, {threads} thread{'s' if threads > 1 else ''}"] = _unsplit(
                 rank, plain, ids, args.new_tokens, threads
             )
-        calls: list[tuple[float, float]] = []
         for name, options in modes(batch, prompt).items():
-            runs[name] = _pipelined(decoder, ids, args.new_tokens, options, calls)
+            runs[name] = _pipelined(decoder, ids, args.new_tokens, options)
         measured: dict[str, list[GenerationStats]] = {name: [] for name in runs}
         for run in runs.values():  # warm-up
             dist.barrier()
@@ -113,13 +111,10 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                 if stats is not None and stats.time_to_first_token is not None:
                     measured[name].append(stats)
         gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, (measured, calls))
+        dist.all_gather_object(gathered, measured)
         results["runs"][(batch, prompt)] = {
-            name: gathered[0][0][name] or gathered[1][0][name] for name in runs
+            name: gathered[0][name] or gathered[1][name] for name in runs
         }
-        both = gathered[0][1] + gathered[1][1]  # the ranks' (send, receive) medians
-        sends, receives = zip(*both, strict=True)
-        results["calls"][(batch, prompt)] = statistics.mean(sends), statistics.mean(receives)
         print(f"rank {rank}: batch {batch}, prompt {prompt} done", flush=True)
     dist.barrier()
     fits = _profile(decoder, args)  # on both ranks at once: See _profile
@@ -147,26 +142,10 @@ def _unsplit(
 
 
 def _pipelined(
-    decoder: DecodePipeline,
-    ids: torch.Tensor,
-    new_tokens: int,
-    options: dict[str, Any],
-    calls: list[tuple[float, float]],
+    decoder: DecodePipeline, ids: torch.Tensor, new_tokens: int, options: dict[str, Any]
 ) -> Callable[[], GenerationStats | None]:
-    """A generation; the naive pipeline's also adds its traced sends' and receives' median
-    seconds to ``calls`` (what the predictions charge per message)."""
-
     def run() -> GenerationStats | None:
         decoder.generate(ids, max_new_tokens=new_tokens, **options)
-        if options.get("num_groups") == 1:
-            assert decoder.recorder is not None
-            events = decoder.recorder.steps[-1][1]
-            calls.append(
-                tuple(  # type: ignore[arg-type]
-                    statistics.median(e.duration for e in events if e.kind == kind)
-                    for kind in ("send", "recv")
-                )
-            )
         return decoder.stats
 
     return run
@@ -296,13 +275,8 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
         "Predicted: the decode Program simulated with each stage profiled on both ranks at once "
         "(the ranks' fits averaged), the link "
         f"measured between the ranks ({link.latency * 1e6:.0f} us + "
-        f"{link.bandwidth / 1e9:.2f} GB/s) and the runtime's cost per message fitted to each "
-        "case's naive pipeline: the medians of its traced sends and receives (marked; "
-        "between idle ranks a send takes "
-        f"{overheads.send * 1e6:.0f} us and a receive {overheads.recv * 1e6:.0f} us, but "
-        "while the peer computes its transport threads get a core late; See Note [busy "
-        "ranks] in conveyor.planner.calibrate). The rows with groups in flight are "
-        "predictions.",
+        f"{link.bandwidth / 1e9:.2f} GB/s) and the runtime's per-message costs (send "
+        f"{overheads.send * 1e6:.0f} us, receive {overheads.recv * 1e6:.0f} us).",
         "",
         f"Command: `python benchmarks/bench_generate.py` on {platform.machine()}, "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__}; load average at the end "
@@ -317,21 +291,15 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
         naive = _median(runs["naive pipeline (1 group)"], "decode_tokens_per_s")
         alone = _median(runs["unsplit, 1 thread"], "decode_tokens_per_s")
         pipelined = modes(batch, prompt)
-        send, recv = results["calls"][(batch, prompt)]
-        fitted = dataclasses.replace(overheads, send=send, recv=recv)
         for name, stats in runs.items():
             ttft = _median(stats, "time_to_first_token")
             rate = _median(stats, "decode_tokens_per_s")
             cells = ["", "", ""]
             if name in pipelined:
                 first, guess = predicted(
-                    results["fits"], args, batch, prompt, pipelined[name], link, fitted
+                    results["fits"], args, batch, prompt, pipelined[name], link, overheads
                 )
                 cells = [f"{first * 1e3:.0f}", f"{guess:.1f}", f"{guess / rate:.2f}"]
-            if name == "naive pipeline (1 group)":
-                name = (
-                    f"{name}, calls fitted on (send {send * 1e6:.0f}, receive {recv * 1e6:.0f} us)"
-                )
             lines.append(
                 f"| {batch} | {prompt} | {name} | {ttft * 1e3:.0f} | {rate:.1f} | "
                 f"{rate / naive:.2f} | {rate / alone:.2f} | {' | '.join(cells)} |"
