@@ -129,6 +129,7 @@ def _equivalence(rank: int, world_size: int) -> None:
     for fsdp in (False, True):
         _token_mean_over_replicas(fsdp)
         _sum_over_steps_with_a_weight_without_gradient(fsdp)
+    _a_stage_without_any_gradient()
 
 
 def _token_mean_over_replicas(fsdp: bool) -> None:
@@ -164,6 +165,19 @@ class Shift(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.weight.detach()
+
+
+def _a_stage_without_any_gradient() -> None:
+    """A replicated stage none of whose trainable parameters gets a gradient: DDP's reducer
+    never runs, which is named (FSDP2 would reduce nothing and go on)."""
+    model = nn.Sequential(nn.Linear(8, 8), Shift(8)).double()
+    pipe = conveyor.Pipeline(model, dp=2, balance=[1, 1], loss_fn=F.mse_loss, timeout_s=15)
+    x = torch.randn(4, 8).double()
+    if 1 not in pipe.stages:
+        pipe.step(x, x)
+        return
+    with pytest.raises(RuntimeError, match="stage 1: none of its trainable parameters got"):
+        pipe.step(x, x)
 
 
 def _sum_over_steps_with_a_weight_without_gradient(fsdp: bool) -> None:

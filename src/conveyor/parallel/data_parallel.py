@@ -319,14 +319,14 @@ class _Buckets:
 
     def check_finished(self) -> None:
         """Raise if the reducer was armed and did not reduce every bucket."""
-        if self._armed and not self._finished:
-            self._armed = False
+        armed, self._armed = self._armed, False
+        if armed and not self._finished:
             raise RuntimeError(
-                f"stage {self.stage}: the last micro-batch's backward reached none of the "
-                "stage's parameters, so DDP's reducer never reduced them; give it a path "
-                "to them, or pass fsdp=True, whose reduction does not depend on the backward"
+                f"stage {self.stage}: none of its trainable parameters got a gradient in the "
+                "last micro-batch's backward, so DDP's reducer, which reduces as the backward "
+                "produces gradients, never ran; freeze the parameters that never get one "
+                "(requires_grad_(False)) or pass fsdp=True"
             )
-        self._armed = False
 
 
 def _same_ranks(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGroup:
