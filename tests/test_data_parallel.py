@@ -215,3 +215,24 @@ def test_dp_x_pp_equals_plain_training_on_the_global_batch(tmp_path: Path) -> No
 
 def _first_stage(x: Any) -> Any:
     return x
+
+
+def _compiled_replicas(rank: int, world_size: int) -> None:
+    """Compiled stages on two replicas: DDP's reducer finds the parameters behind the
+    compiled region's backward, and the gradients are the global batch's."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    plain = copy.deepcopy(model)
+    pipe = conveyor.Pipeline(
+        model, dp=2, num_microbatches=2, loss_fn=F.mse_loss, timeout_s=60
+    ).compile(backend="aot_eager")
+    assert pipe.data_parallel is not None and pipe.data_parallel.in_flight
+    x, y = torch.randn(8, 8).double(), torch.randn(8, 8).double()
+    share = slice(4 * pipe.replica, 4 * pipe.replica + 4)
+    pipe.step(x[share], y[share])
+    plain_step(plain, x, y, 4, 0)
+    check_grads(pipe, plain, "compiled, dp=2")
+
+
+def test_compiled_stages_reduce_over_replicas(tmp_path: Path) -> None:
+    run_ranks(_compiled_replicas, tmp_path, 2, timeout_s=120)
