@@ -76,6 +76,10 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
             "no script to run: --checkpoint-dir took 'train.py' as its DIR",
         ),
         (["trace", "runs", "--step", "5-3"], "expected a step N or a range FIRST-LAST"),
+        (["simulate", "--png", "x.png"], "--png only works with --profile; add it or drop"),
+        (["simulate", "--balance", "1", "1", "--chrome", "x"], "--balance, --chrome only work"),
+        (["simulate", "--groups", "3"], "--groups only works with --decode"),
+        (["simulate", "--decode", "--profile", "p.json"], "Drop one of them"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(

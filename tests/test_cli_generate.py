@@ -54,7 +54,10 @@ def test_a_saved_hugging_face_model_is_read_from_disk(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(200)
-def test_generate_runs_the_demo_gpt_on_two_ranks(tmp_path: Path) -> None:
+def test_generate_runs_the_demo_gpt_on_two_ranks(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     argv = ["generate", "--prompt", "def ", "x = ", "--max-new-tokens", "5", "--num-layers", "2"]
     assert main([*argv, "--trace", str(tmp_path)]) == 0
     assert (tmp_path / "timeline.png").is_file() and (tmp_path / "trace.json").is_file()
+    assert "RuntimeWarning" not in capfd.readouterr().err  # each rank runs its module once

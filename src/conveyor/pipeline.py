@@ -339,6 +339,8 @@ class Pipeline:
         loss = None
         if state.losses:
             loss = torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
+            if self.data_parallel is not None:
+                loss = self.data_parallel.replica_loss(self.config.loss_reduction, loss)
         return share_loss(self, loss) if self.config.broadcast_loss else loss
 
     def _check_loss(self, targets: Any) -> None:

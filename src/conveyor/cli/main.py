@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_simulate_flags(simulate)
     add_decode_flags(simulate)
-    simulate.set_defaults(command=_simulate)
+    simulate.set_defaults(command=_simulate, simulate_parser=simulate)
     return parser
 
 
@@ -153,7 +153,31 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
 
 
+_NEEDS = {
+    "--profile": ("balance", "batch_size", "checkpoint", "png", "chrome", "save_timeline"),
+    "--decode": ("groups", "new_tokens", "prompt_chunks"),
+}
+"""Flags of ``conveyor simulate`` that only mean something with another flag."""
+
+
+def _check_simulate_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that the chosen kind of simulation would ignore."""
+    if args.decode and args.profile is not None:
+        raise ValueError(
+            "simulate: --decode simulates a decode Program in unit costs; --profile predicts "
+            "training steps. Drop one of them"
+        )
+    chosen = {"--profile": args.profile is not None, "--decode": args.decode}
+    for needed, names in _NEEDS.items():
+        given = [n for n in names if getattr(args, n) != args.simulate_parser.get_default(n)]
+        if given and not chosen[needed]:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            verb = "works" if len(given) == 1 else "work"
+            raise ValueError(f"simulate: {flags} only {verb} with {needed}; add it or drop them")
+
+
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _check_simulate_flags(args)
     if args.decode:
         return simulate_decode(args)
     if args.profile is not None:  # a profiled model: predicted time and memory

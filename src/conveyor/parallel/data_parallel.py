@@ -70,7 +70,11 @@ logger = logging.getLogger(__name__)
 # reducer looks for parameters the last micro-batch did not use (find_unused_parameters):
 # they are reduced with the rest (a gradient DDP has made a view of its bucket is reduced
 # in place whether or not it was used), and a parameter no replica ever used keeps no
-# gradient, as under FSDP2.
+# gradient, as under FSDP2. The buckets are averaged, even for a summed loss: a gradient
+# carried over from an earlier step (no zero_grad), the same on every replica, is then left
+# as it was, where a sum would count it once per replica. So a summed loss weighs its
+# micro-batches by the number of replicas, and the loss a step returns has that factor taken
+# out again (replica_loss).
 class DataParallel:
     """This rank's stages over the replicas of ``mesh``: FSDP2 ``fully_shard`` with ``fsdp``,
     else DDP's reducer (without a split backward or tensor parallelism) or FSDP2's
@@ -127,6 +131,8 @@ class DataParallel:
             self._fsdp[stage] = _fsdp(module)
             if self._divisor == 1:  # losses add over replicas: so do their gradients
                 self._fsdp[stage].set_gradient_divide_factor(1.0)
+                # else FSDP2 reduces float32 with PREMUL_SUM(1.0), which gloo does not have
+                self._fsdp[stage].set_force_sum_reduction_for_comms(True)
 
     def begin_step(self) -> None:
         """Turn FSDP2's gradient sync and resharding off until each stage's last backward is
@@ -165,6 +171,12 @@ class DataParallel:
             return [count * self._divisor / whole if whole else 0.0 for count in counts]
 
         return _Pending(weights, len(counts))
+
+    def replica_loss(self, reduction: LossReduction, weighted: torch.Tensor) -> torch.Tensor:
+        """The step's loss from this replica's weighted micro-batch losses: a sum's weights
+        carry the factor its gradients are divided by in the reduction, which its loss must
+        not (See Note [reductions in flight])."""
+        return weighted / self._divisor if reduction == "sum" else weighted
 
     def arm(self, stage: int, roots: Sequence[torch.Tensor]) -> None:
         """The stage's last full backward (B) starts from ``roots``: let DDP's reducer reduce

@@ -250,7 +250,9 @@ class Runtime:
         if self.loss_fn is None:
             raise ValueError("training needs a loss: pass loss_fn to the Pipeline")
         target = None if step.targets is None else step.targets[k]
-        self._state.losses[k] = self.loss_fn(output, target) * step.loss_weights[k]
+        loss, weight = self.loss_fn(output, target), step.loss_weights[k]
+        # weight 0: nothing to count (every target ignored), and the mean over nothing is NaN
+        self._state.losses[k] = loss * weight if weight else loss.nan_to_num(0.0) * 0.0
 
     def _input(self, s: int, k: int, name: str, received: dict[int, Any]) -> Any:
         """One input value of stage ``s``: from the micro-batch, a local stage, or a peer."""
