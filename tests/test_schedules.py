@@ -300,8 +300,12 @@ def test_interleaving_needs_a_chain() -> None:
         Stage(2, 0, ("a", "b"), ("c",)),
         Stage(3, 1, ("c",), (MODEL_OUTPUT,)),
     )
-    with pytest.raises(ValueError, match="runs chains"):
-        interleaved_1f1b(StageGraph(stages), 4)
+    graph = StageGraph(stages)
+    expected = r"but stage 0 feeds stages \[1, 2\].*one of 'gpipe', 'graph-1f1b', 'graph-gpipe',"
+    with pytest.raises(ValueError, match=expected):
+        interleaved_1f1b(graph, 4)
+    with pytest.raises(ValueError, match="rank 0 holds stages \\[0, 2\\]; use one of 'gpipe'"):
+        SCHEDULES["1f1b"](graph, 4)
 
 
 # -- custom schedules from text ----------------------------------------------------------

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
+import conveyor
 from conveyor.graph import MODEL_OUTPUT
 from conveyor.split import (
     StageAnnotation,
@@ -215,3 +218,96 @@ def test_relayed_skips_pass_through_every_stage_between() -> None:
     assert graph.consumers(0) == [1] and graph.consumers(1) == [2] and graph.depth == 3
     inputs = _inputs()
     torch.testing.assert_close(run_stages(graph, inputs), model(**inputs), rtol=0, atol=0)
+
+
+class Decides(nn.Module):
+    """A forward whose Python decides, once, at trace time: by mode and by an input's type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x).tanh()
+        if self.training:
+            h = h * 0.5
+        if isinstance(mask, torch.Tensor):  # a symbolic value while tracing: never taken
+            h = h * mask
+        return self.b(h)
+
+
+class Masked(Decides):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x)
+        if mask is not None:  # a symbolic value while tracing: always taken
+            h = h * mask
+        return self.b(h)
+
+
+def test_an_input_the_trace_dropped_or_needs_is_refused_before_any_work() -> None:
+    x, mask = torch.randn(2, 4), torch.ones(2, 4)
+    graph = split_model(Decides(), ["b"])
+    with pytest.raises(ValueError, match="tensor for 'mask', which the traced model never reads"):
+        bind_inputs(graph, (x, mask))
+    assert sorted(bind_inputs(graph, x)) == ["mask", "x"]
+    graph = split_model(Masked(), ["b"])
+    with pytest.raises(ValueError, match=r"concrete_args=\{'mask': None\}"):
+        bind_inputs(graph, x)
+    run_stages(graph, bind_inputs(graph, (x, mask)))
+    model = Masked()
+    graph = split_model(model, ["b"], concrete_args={"mask": None})
+    with pytest.raises(ValueError, match="specialized to None"):
+        bind_inputs(graph, (x, mask))
+    torch.testing.assert_close(run_stages(graph, bind_inputs(graph, x)), model(x))
+
+
+ONE_RANK = {"schedule": "interleaved-1f1b", "num_microbatches": 1}
+"""Both stages on this process's one rank."""
+
+
+def test_a_forward_that_reads_the_mode_keeps_the_mode_it_was_split_in(one_rank: None) -> None:
+    model = Decides()
+    assert split_model(model, ["b"]).training is True
+    assert split_model(model.eval(), ["b"]).training is False
+    assert split_model(Masked(), ["b"]).training is None
+    pipe = conveyor.Pipeline(Decides(), split_points=["b"], placement=[0, 0], **ONE_RANK)
+    pipe.train()
+    with pytest.raises(ValueError, match=r"kept the train-mode branch.*model.eval\(\) first"):
+        pipe.eval()
+    x = torch.randn(2, 4)
+    reference = Decides().eval()
+    pipe = conveyor.Pipeline(
+        copy.deepcopy(reference), split_points=["b"], placement=[0, 0], **ONE_RANK
+    )
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=0)
+
+
+class WithUnused(nn.Module):
+    """Parameters and buffers the forward never reads: an auxiliary head, a saved buffer, an
+    unsaved one, and the second layer of a list whose first one is used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aux_head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.register_buffer("calibration", torch.ones(3))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.layers[0](self.a(x)))
+
+
+def test_what_no_stage_reads_is_kept_by_the_first_stage(one_rank: None) -> None:
+    model = WithUnused()
+    graph = split_model(model, ["b"])
+    first, second = (stage.module for stage in graph.stages)
+    assert first is not None and second is not None
+    assert sorted(second.state_dict()) == ["b.bias", "b.weight"]
+    assert sorted([*first.state_dict(), *second.state_dict()]) == sorted(model.state_dict())
+    assert first.get_buffer("scratch") is model.scratch  # kept, and still not saved
+    assert first.get_parameter("layers.1.weight") is model.layers[1].weight
+    pipe = conveyor.Pipeline(WithUnused(), split_points=["b"], placement=[0, 0], **ONE_RANK)
+    plain = WithUnused()
+    plain.load_state_dict(pipe.state_dict())  # strict: every name there
+    pipe.load_state_dict(model.state_dict())
+    torch.testing.assert_close(pipe.state_dict(), model.state_dict(), rtol=0, atol=0)

@@ -57,6 +57,9 @@ class StageGraph:
     binder: Callable[[Any], dict[str, Any]] | None = field(default=None, compare=False, repr=False)
     """A batch as ``model_inputs`` by name, as the split's tracer laid them out (see
     ``conveyor.split.bind_inputs``); None: by position or name, every one given."""
+    training: bool | None = field(default=None, compare=False)
+    """The mode (``model.training``) the stages compute the model in, if the split traced
+    code that reads ``self.training``; None: either mode."""
 
     def __post_init__(self) -> None:
         produced: dict[str, int] = {}
@@ -135,6 +138,16 @@ class StageGraph:
 
     def rank_of(self, stage: int) -> int:
         return self.stages[stage].rank
+
+    def chain_break(self) -> str | None:
+        """Where the stages stop being a chain (stage i fed by stage i - 1 alone, and feeding
+        stage i + 1 alone), said in words; None for a chain."""
+        for stage in range(1, self.num_stages):
+            if self.producers(stage) != [stage - 1]:
+                return f"stage {stage} takes inputs from stages {self.producers(stage)}"
+            if self.consumers(stage - 1) != [stage]:
+                return f"stage {stage - 1} feeds stages {self.consumers(stage - 1)}"
+        return None
 
     @cached_property
     def depth(self) -> int:

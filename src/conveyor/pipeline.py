@@ -63,6 +63,8 @@ __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
+_MODE = {True: "train", False: "eval"}
+
 
 class Pipeline:
     """A model cut into stages over the ranks of a process group; each rank runs its own.
@@ -614,6 +616,22 @@ class Pipeline:
             )
 
     def train(self, mode: bool = True) -> Pipeline:
+        """Training or evaluation mode, as ``nn.Module.train``.
+
+        Raises:
+            ValueError: the split traced code that reads ``self.training`` in the other mode.
+        """
+        traced = self.graph.training
+        if traced is not None and mode != traced:
+            name = type(self._model).__name__
+            raise ValueError(
+                f"{name}'s traced forward reads self.training, and the split kept the "
+                f"{_MODE[traced]}-mode branch: in {_MODE[mode]} mode the stages would still "
+                f"compute the {_MODE[traced]}-mode path. Build another Pipeline from the model "
+                f"in {_MODE[mode]} mode (model.{'train()' if mode else 'eval()'} first) to "
+                f"run in {_MODE[mode]} mode, or move the branch into a submodule that lies "
+                "wholly inside one stage (only modules that contain a split point are traced)"
+            )
         for module in self.stages.values():
             module.train(mode)
         return self

@@ -21,8 +21,13 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+# What torch.fx calls on an input that ``concrete_args`` specialized to None: the node that
+# marks such an input in a traced graph. No public name; compare ``node.target`` to it.
+from torch.fx._symbolic_trace import _assert_is_none as assert_is_none
+
 __all__ = [
     "GradBucket",
+    "assert_is_none",
     "backend_options",
     "close_gloo_group",
     "default_store",

@@ -4,7 +4,7 @@ local ranks) and `conveyor simulate --decode` (a decode Program as a rank x time
     conveyor generate --prompt "def " --max-new-tokens 64            # the demo GPT, 2 ranks
     conveyor generate --model path/to/saved_model --prompt-ids 1,2,3 --do-sample --seed 1
     conveyor simulate --decode --stages 2 --groups 2 --new-tokens 4
-Each rank runs ``python -m conveyor.cli.generate`` under torchrun.
+Each rank runs ``python -m conveyor.cli.generate_rank`` under torchrun.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "load_model",
     "run",
     "simulate_decode",
+    "worker",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = build_dataclass(GenerationConfig, args, values)
     payload = {"job": dataclasses.asdict(job), "config": dataclasses.asdict(config)}
     return torchrun(
-        ["--nproc-per-node", str(job.ranks), "-m", "conveyor.cli.generate", json.dumps(payload)]
+        [
+            "--nproc-per-node",
+            str(job.ranks),
+            "-m",
+            "conveyor.cli.generate_rank",
+            json.dumps(payload),
+        ]
     )
 
 
@@ -251,9 +258,9 @@ def _write_trace(decoder: DecodePipeline, directory: str) -> None:
         logger.info("%s\nwrote %s and %s", timeline.summary_text(), png, chrome)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Worker entry point: ``python -m conveyor.cli.generate JSON`` (job and config)."""
-    parser = argparse.ArgumentParser(prog="python -m conveyor.cli.generate")
+def worker(argv: list[str] | None = None) -> int:
+    """One rank: ``python -m conveyor.cli.generate_rank JSON`` (job and config)."""
+    parser = argparse.ArgumentParser(prog="python -m conveyor.cli.generate_rank")
     parser.add_argument("payload", help="{'job': GenerateJob fields, 'config': GenerationConfig}")
     payload = json.loads(parser.parse_args(argv).payload)
     job = _from_json(GenerateJob, payload["job"])
@@ -265,7 +272,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conveyor.graph import StageGraph
 from conveyor.program import Action, Kind, Program, add_communication
+from conveyor.schedule.layout import schedules_for
 
 __all__ = ["forward_only", "gpipe", "one_f_one_b"]
 
@@ -61,6 +62,7 @@ def _only_stage(graph: StageGraph, rank: int, schedule: str) -> int:
     if len(stages) != 1:
         raise ValueError(
             f"schedule {schedule!r} runs one stage per rank, but rank {rank} holds "
-            f"stages {stages}; use an interleaved schedule for virtual stages"
+            f"stages {stages}; use one of {schedules_for(graph)}, which run this graph as it "
+            "is placed"
         )
     return stages[0]

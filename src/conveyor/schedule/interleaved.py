@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conveyor.graph import StageGraph
 from conveyor.program import Action, Kind, Program, add_communication
+from conveyor.schedule.layout import schedules_for
 
 __all__ = ["interleaved_1f1b", "loop_chunks", "require_chain", "rounds"]
 
@@ -78,10 +79,10 @@ def loop_chunks(graph: StageGraph, schedule: str) -> list[list[int]]:
 
 
 def require_chain(graph: StageGraph, schedule: str) -> None:
-    for stage in range(1, graph.num_stages):
-        if graph.producers(stage) != [stage - 1] or graph.consumers(stage - 1) != [stage]:
-            raise ValueError(
-                f"schedule {schedule!r} runs chains (stage i feeds only stage i + 1), but stage "
-                f"{stage} takes inputs from stages {graph.producers(stage)}; use 'gpipe' or "
-                "'1f1b' for graphs with skip connections or branches"
-            )
+    broken = graph.chain_break()
+    if broken is not None:
+        raise ValueError(
+            f"schedule {schedule!r} runs chains (stage i feeds only stage i + 1), but {broken} "
+            f"(a skip connection or a branch); use one of {schedules_for(graph)}, which run "
+            "this graph as it is placed"
+        )

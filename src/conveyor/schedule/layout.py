@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from conveyor.graph import PlacementStyle, StageGraph, place
 from conveyor.program import Program
 
-__all__ = ["LAYOUTS", "Layout", "Schedule", "layout_of", "stage_placement"]
+__all__ = ["LAYOUTS", "Layout", "Schedule", "layout_of", "schedules_for", "stage_placement"]
 
 Schedule = Callable[[StageGraph, int], Program]
 """A schedule: (stage graph, number of micro-batches) -> Program."""
@@ -72,3 +72,19 @@ def stage_placement(
     if num_stages % num_ranks:
         return list(range(num_stages))
     return place(num_stages, num_ranks, style or wanted.placement)
+
+
+def schedules_for(graph: StageGraph) -> str:
+    """The built-in schedules that run ``graph`` as it is placed, for error messages:
+    'gpipe' and the graph schedules run any graph; 1F1B and ZB-H1 one stage per rank;
+    interleaved 1F1B and ZB-V chains placed in a loop and in a V."""
+    names = ["gpipe", "graph-1f1b", "graph-gpipe"]
+    placement = [graph.rank_of(s) for s in range(graph.num_stages)]
+    if all(len(graph.stages_on(r)) == 1 for r in range(graph.num_ranks)):
+        names += ["1f1b", "zb-h1"]
+    elif graph.chain_break() is None:
+        for schedule, layout in LAYOUTS.items():
+            wanted = place(graph.num_stages, graph.num_ranks, layout.placement)
+            if graph.num_stages % graph.num_ranks == 0 and placement == wanted:
+                names.append(schedule)
+    return ", ".join(repr(name) for name in names)

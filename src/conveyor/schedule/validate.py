@@ -72,8 +72,10 @@ def _feedback_problems(feedback: Feedback, graph: StageGraph, num_microbatches: 
             f"for {num_microbatches} micro-batches; give one of each per micro-batch"
         ]
     problems = []
-    if any(graph.producers(s) != [s - 1] for s in range(1, graph.num_stages)):
-        problems.append("a decode program (with feedback) needs a chain of stages")
+    if graph.chain_break() is not None:
+        problems.append(
+            f"a decode program (with feedback) needs a chain of stages: {graph.chain_break()}"
+        )
     seen: set[int] = set()
     for k, source in enumerate(feedback.sources):
         if source is None:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from torch import fx, nn
 
 from conveyor.split.export import export_model
-from conveyor.split.inputs import bind_inputs
+from conveyor.split.inputs import TracedInputs
 from conveyor.split.tracing import NO_MODULE, module_path, trace_graph, within
 from conveyor.torch_compat import pytree
 
@@ -48,6 +48,9 @@ class Traced:
     output_spec: pytree.TreeSpec | None
     """How the graph's flat output becomes the model's output (export); None: as returned."""
     method: Literal["fx", "export"]
+    training: bool | None = None
+    """The mode (``model.training``) the graph holds for: its forward reads ``self.training``
+    in traced code. None: it holds in both modes (or was not checked)."""
 
 
 def trace(
@@ -88,8 +91,23 @@ def trace(
             str(cause).strip().splitlines()[0][:120] if str(cause).strip() else "",
         )
         return _exported(model, example_inputs)
-    binder = functools.partial(bind_inputs, model)
-    return Traced(graph, model, binder, None, "fx")
+    retrace = functools.partial(trace_graph, model, cut_at, concrete_args, leaf, hint)
+    mode = _mode(model, graph, retrace)
+    return Traced(graph, model, TracedInputs(model, graph), None, "fx", mode)
+
+
+def _mode(model: nn.Module, graph: fx.Graph, retrace: Callable[[], fx.Graph]) -> bool | None:
+    """The mode (``model.training``) ``graph`` holds for, or None if it holds for both: traced
+    code that reads ``self.training`` keeps only the branch of the mode it was traced in."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train(not model.training)
+    try:
+        other = retrace()
+    finally:
+        for module, training in modes:
+            module.training = training
+    same = other.python_code("self").src == graph.python_code("self").src
+    return None if same else model.training
 
 
 def _exported(model: nn.Module, example_inputs: Any) -> Traced:

@@ -10,11 +10,13 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+import torch
+from torch import fx, nn
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
+from conveyor.torch_compat import assert_is_none, pytree
 
-__all__ = ["bind_error", "bind_inputs", "run_stages"]
+__all__ = ["TracedInputs", "bind_error", "bind_inputs", "run_stages"]
 
 
 def run_stages(graph: StageGraph, inputs: Mapping[str, Any]) -> Any:
@@ -102,3 +104,62 @@ def bind_error(name: str, signature: inspect.Signature, inputs: Any, error: Type
         f"{name} takes model inputs {list(signature.parameters)}; cannot pass {given} to it "
         f"({error}){fix}"
     )
+
+
+class TracedInputs:
+    """Binds a batch to a model's forward as ``bind_inputs`` does, for a graph torch.fx traced,
+    and refuses a batch the graph would get wrong: fx traces every input as a symbolic value,
+    so the forward's Python decided, once, what to do with each input, whatever it is later.
+
+    Raises (on call):
+        ValueError: a tensor for an input the graph never reads (a test such as
+            ``isinstance(mask, torch.Tensor)`` was false while tracing), a value for one
+            specialized to None (``concrete_args``), or None for one the graph reads.
+    """
+
+    def __init__(self, model: nn.Module, graph: fx.Graph) -> None:
+        self.model = model
+        self.uses: dict[str, str] = {}
+        """Input name -> 'never' (no node reads it), 'none' (only fx's check that it is None),
+        'operates' (an operation of the traced code takes it: None would fail) or 'passes'
+        (only modules that are not traced take it, and may take None)."""
+        for node in graph.nodes:
+            if node.op != "placeholder":
+                continue
+            users = [u for u in node.users if u.target is not assert_is_none]
+            operated = any(u.op in ("call_function", "call_method") for u in users)
+            self.uses[str(node.target)] = (
+                ("operates" if operated else "passes")
+                if users
+                else ("none" if node.users else "never")
+            )
+
+    def __call__(self, inputs: Any) -> dict[str, Any]:
+        bound = bind_inputs(self.model, inputs)
+        forward = f"{type(self.model).__name__}.forward"
+        for name, value in bound.items():
+            use = self.uses.get(name)
+            tensors = any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+            if use == "never" and tensors:
+                raise ValueError(
+                    f"{forward} was given a tensor for {name!r}, which the traced model never "
+                    "reads: while tracing, the inputs were symbolic values, and code that tests "
+                    f"{name!r} (isinstance(..., torch.Tensor), a shape check) took the branch "
+                    f"without it. Test '{name} is not None' instead, or move that code into a "
+                    "submodule that lies wholly inside one stage (only modules that contain a "
+                    f"split point are traced); if forward really ignores {name!r}, do not pass it"
+                )
+            if use == "none" and value is not None:
+                raise ValueError(
+                    f"{forward} was given a value for {name!r}, which the split specialized to "
+                    f"None (concrete_args); build the Pipeline without {name!r} in "
+                    "concrete_args to pass it"
+                )
+            if use == "operates" and value is None:
+                raise ValueError(
+                    f"{forward} got None for {name!r}, which the traced model reads as a "
+                    f"tensor (while tracing, '{name} is None' was false), so a stage would "
+                    f"fail on it. Pass {name!r}, or build the Pipeline with "
+                    f"concrete_args={{{name!r}: None}} to split the forward without it"
+                )
+        return bound

@@ -113,7 +113,8 @@ def build_stage_graph(
         if index == num_stages - 1:
             outputs += (MODEL_OUTPUT,)
         stages.append(Stage(index, placement[index], inputs, outputs, module))
-    return StageGraph(tuple(stages), model_inputs, traced.binder)
+    _keep_unused(traced.root, [s.module for s in stages if s.module is not None])
+    return StageGraph(tuple(stages), model_inputs, traced.binder, traced.training)
 
 
 def _stage_module(
@@ -155,6 +156,31 @@ def _stage_module(
     module.meta[EXPORTED] = traced.method == "export"
     _keep_buffers_unsaved(module, root)
     return module, inputs
+
+
+def _keep_unused(root: nn.Module, stages: list[nn.Module]) -> None:
+    """Give the first stage, under their own names, the parameters and buffers that no stage
+    reads (an auxiliary head, a buffer the forward ignores): a stage holds only what its code
+    reads, and the pipeline's state_dict, checkpoints and saved weights must hold the whole
+    model's, as plain training keeps them."""
+    held = {id(t) for stage in stages for t in (*stage.parameters(), *stage.buffers())}
+    saved = set(root.state_dict(keep_vars=True))
+    for name, tensor in (
+        *root.named_parameters(remove_duplicate=False),
+        *root.named_buffers(remove_duplicate=False),
+    ):
+        if id(tensor) in held:
+            continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = stages[0]
+        for part in owner_name.split(".") if owner_name else []:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(leaf, tensor)
+        else:
+            owner.register_buffer(leaf, tensor, persistent=name in saved)
 
 
 def _keep_buffers_unsaved(module: fx.GraphModule, root: nn.Module) -> None:
