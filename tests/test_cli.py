@@ -80,6 +80,7 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
         (["simulate", "--balance", "1", "1", "--chrome", "x"], "--balance, --chrome only work"),
         (["simulate", "--groups", "3"], "--groups only works with --decode"),
         (["simulate", "--decode", "--profile", "p.json"], "Drop one of them"),
+        (["generate", "--prompt-ids", "1,2,x"], "expected token ids separated by commas"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(

@@ -162,8 +162,6 @@ def test_hugging_face_models_match_their_own_generate(make: Any) -> None:
     model = make()
     ids, mask = prompts(5)
     reference = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    eos = int(reference[1, -5])
-    stopped = model.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos)
     for options in [
         {},
         {"num_groups": 2, "prefill_chunk": 4},
@@ -171,8 +169,13 @@ def test_hugging_face_models_match_their_own_generate(make: Any) -> None:
     ]:
         tokens = generate(model, ids, attention_mask=mask, max_new_tokens=8, **options)
         assert torch.equal(tokens, reference), options
-    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=(eos,))
-    assert torch.equal(tokens, stopped)
+    eos = int(reference[1, -5])
+    model.generation_config.eos_token_id = eos  # the model's own stop token: both stop there
+    stopped = model.generate(ids, attention_mask=mask, max_new_tokens=30)
+    assert torch.equal(generate(model, ids, attention_mask=mask, max_new_tokens=30), stopped)
+    model.generation_config.eos_token_id = None
+    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos)
+    assert torch.equal(tokens, stopped)  # one id, as Hugging Face takes it
     sampled = generate(model, ids, attention_mask=mask, max_new_tokens=6, num_groups=2, **SAMPLING)
     assert torch.equal(sampled, hf_sampling_reference(model, ids, mask, 6))
 
@@ -231,6 +234,10 @@ def test_bad_input_fails_before_any_message() -> None:
         generate(model, ids, attention_mask=mask)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         GenerationConfig(temperature=0.0)
+    with pytest.raises(ValueError, match=r"pad_token_id must be a token id .* got None"):
+        generate(model, ids, pad_token_id=None)
+    with pytest.raises(ValueError, match=r"eos_token_id must be token ids .* got \(1, 'x'\)"):
+        generate(model, ids, eos_token_id=[1, "x"])
     with pytest.raises(ValueError, match="top_p must be in"):
         generate(model, ids, top_p=1.5)
     with pytest.raises(TypeError, match=r"unknown generation settings \['max_tokens'\]"):
@@ -241,6 +248,8 @@ def test_bad_input_fails_before_any_message() -> None:
         DecodePipeline(unloaded, local=True)
     with pytest.raises(ValueError, match="covers 2 units but the model has 4"):
         DecodePipeline(model, balance=[1, 1], local=True)
+    with pytest.raises(ValueError, match="gives a stage 0 units"):
+        DecodePipeline(model, balance=[0, 4], local=True)
     with pytest.raises(ValueError, match="places 2 stages on 2 ranks but the process group has 1"):
         DecodePipeline(model, balance=[2, 2], local=True)
 

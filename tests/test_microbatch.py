@@ -30,3 +30,14 @@ def test_batch_smaller_than_microbatch_count_is_rejected() -> None:
 
 def test_no_tensor_means_every_microbatch_gets_the_value() -> None:
     assert microbatch.split((1, "a"), 3) == [(1, "a")] * 3
+
+
+def test_scalars_merge_as_the_steps_loss_and_the_rest_must_agree() -> None:
+    losses = [torch.tensor(1.0), torch.tensor(float("nan")), torch.tensor(4.0)]
+    chunks = [{"loss": loss, "n": 7, "scale": torch.tensor(2.0)} for loss in losses]
+    merged = microbatch.merge(chunks, [0.25, 0.0, 0.75])  # the NaN one counts nothing
+    assert merged["loss"].item() == 0.25 + 3.0 and merged["n"] == 7
+    assert merged["scale"].item() == 2.0  # the same in every micro-batch: kept
+    assert microbatch.merge(chunks[::2])["loss"].item() == 2.5  # no weights: the mean
+    with pytest.raises(ValueError, match=r"output leaf 1 \(int\) differs between micro-batches"):
+        microbatch.merge([{"loss": torch.tensor(1.0), "n": n} for n in (1, 2)])

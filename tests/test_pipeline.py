@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
@@ -387,7 +388,9 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
     assert pipe.step(x, x) is not None  # initialized now: it trains
 
 
-def test_an_index_error_in_a_stage_names_the_stage_and_the_likely_cause(one_rank: None) -> None:
+def test_an_index_error_in_a_stage_names_the_stage_and_the_likely_cause(
+    one_rank: None, tmp_path: Path
+) -> None:
     model = gpt(vocab_size=16, seq_len=8, dim=8, num_layers=1, num_heads=2)
     pipe = conveyor.Pipeline(model, num_microbatches=2, loss_fn=gpt_loss)
     ids = torch.randint(0, 16, (4, 12))  # longer than the 8 positions the model has
@@ -396,3 +399,10 @@ def test_an_index_error_in_a_stage_names_the_stage_and_the_likely_cause(one_rank
     note = "\n".join(error.value.__notes__)
     assert "rank 0 (stage 0), forward of micro-batch 0 on inputs input (2, 12) int64" in note
     assert "longer than the model's position embeddings" in note
+    # the abandoned step closed this world's groups; a new world's are new, whatever their names
+    dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'again'}", rank=0, world_size=1
+    )
+    ids = ids[:, :8]
+    assert conveyor.Pipeline(model, num_microbatches=2, loss_fn=gpt_loss).step(ids, ids) is not None

@@ -42,7 +42,7 @@ from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import Tie, TiedWeights, find_ties
-from conveyor.schedule import Schedule, build_program, forward_only, stage_placement
+from conveyor.schedule import LAYOUTS, Schedule, build_program, forward_only, stage_placement
 from conveyor.simulator import simulate
 from conveyor.split import (
     balance_to_split_points,
@@ -375,7 +375,8 @@ class Pipeline:
             self.data_parallel.reshard()
         if not state.model_outputs:
             return None
-        return microbatch.merge([state.model_outputs[k] for k in sorted(state.model_outputs)])
+        outputs = [state.model_outputs[k] for k in sorted(state.model_outputs)]
+        return microbatch.merge(outputs, step_inputs.loss_weights)
 
     __call__ = forward
 
@@ -776,7 +777,13 @@ def _split(
                 "graph from conveyor.split, or the model itself"
             )
         return (), model
-    traced = {"example_inputs": example_inputs, "tracer": config.tracer}
+    traced = {
+        "example_inputs": example_inputs,
+        "tracer": config.tracer,
+        # interleaved 1F1B and ZB-V run chains: a value that skips stages (a skip connection,
+        # a transformer's mask and rotary tables) is passed through every stage between
+        "relay_skips": isinstance(config.schedule, str) and config.schedule in LAYOUTS,
+    }
     if config.stage_modules is not None:
         graph = split_by_modules(
             model, config.stage_modules, config.placement, concrete_args, **traced

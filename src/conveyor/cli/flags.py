@@ -48,10 +48,16 @@ def add_dataclass_flags(
 
 def build_dataclass(cls: type, args: argparse.Namespace, values: Mapping[str, Any]) -> Any:
     """An instance of ``cls`` from TOML ``values`` overridden by the flags that were given."""
+    return cls(**given_fields(cls, args, values))
+
+
+def given_fields(cls: type, args: argparse.Namespace, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``cls`` that TOML ``values`` or the flags set (flags win); lists as
+    tuples."""
     names = {f.name for f in dataclasses.fields(cls)}
     fields = {k: v for k, v in values.items() if k in names}
     fields.update({k: v for k, v in vars(args).items() if k in names and v is not None})
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conveyor.cli.flags import add_dataclass_flags, build_dataclass, read_toml
+from conveyor.cli.flags import add_dataclass_flags, build_dataclass, given_fields, read_toml
 from conveyor.cli.launch import torchrun
 from conveyor.graph import chain
 from conveyor.inference import DecodePipeline, GenerationConfig, decode_items, decode_program
@@ -85,6 +85,12 @@ class GenerateJob:
                 f"--model {self.model!r} is neither 'gpt' nor a directory; pass the directory "
                 "a Hugging Face model was saved to (model.save_pretrained(DIR))"
             )
+        for text in self.prompt_ids:
+            tokens = text.split(",")
+            if not all(t.strip().isdigit() for t in tokens):
+                raise ValueError(
+                    f"--prompt-ids {text!r}: expected token ids separated by commas, e.g. 1,2,3"
+                )
 
 
 def add_generate_command(commands: Any) -> None:
@@ -106,8 +112,9 @@ def add_generate_command(commands: Any) -> None:
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     values = read_toml(args.config) if args.config else {}
     job = build_dataclass(GenerateJob, args, values)
-    config = build_dataclass(GenerationConfig, args, values)
-    payload = {"job": dataclasses.asdict(job), "config": dataclasses.asdict(config)}
+    options = given_fields(GenerationConfig, args, values)
+    GenerationConfig(**options)  # bad settings fail here, before any rank starts
+    payload = {"job": dataclasses.asdict(job), "options": options}
     return torchrun(
         [
             "--nproc-per-node",
@@ -207,12 +214,14 @@ def _text(job: GenerateJob, tokenizer: Any, ids: torch.Tensor) -> str:
     return ",".join(str(int(i)) for i in ids)
 
 
-def run(job: GenerateJob, config: GenerationConfig) -> torch.Tensor | None:
-    """Generate on this rank (torch.distributed initialized): rank 0 logs the texts, the
-    rank of the last stage the timings."""
+def run(job: GenerateJob, options: dict[str, Any]) -> torch.Tensor | None:
+    """Generate on this rank (torch.distributed initialized) with the model's own settings
+    changed by ``options`` (GenerationConfig fields): rank 0 logs the texts, the rank of the
+    last stage the timings."""
     model, tokenizer = load_model(job)
     prompts = _prompts(job, tokenizer)
     decoder = DecodePipeline(model, balance=job.balance, trace=job.trace is not None)
+    config = decoder.defaults.replace(**options)
     tokens = decoder.generate(prompts, config)
     assert tokens is not None and decoder.stats is not None
     width = max(p.numel() for p in prompts)
@@ -242,9 +251,9 @@ def run(job: GenerateJob, config: GenerationConfig) -> torch.Tensor | None:
     return tokens
 
 
-def _from_json(cls: type, values: dict[str, Any]) -> Any:
-    """A dataclass from its asdict() as JSON (lists back to tuples)."""
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+def _tuples(values: dict[str, Any]) -> dict[str, Any]:
+    """Fields read back from JSON: its lists were tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
 def _write_trace(decoder: DecodePipeline, directory: str) -> None:
@@ -259,16 +268,15 @@ def _write_trace(decoder: DecodePipeline, directory: str) -> None:
 
 
 def worker(argv: list[str] | None = None) -> int:
-    """One rank: ``python -m conveyor.cli.generate_rank JSON`` (job and config)."""
+    """One rank: ``python -m conveyor.cli.generate_rank JSON`` (job and generation options)."""
     parser = argparse.ArgumentParser(prog="python -m conveyor.cli.generate_rank")
-    parser.add_argument("payload", help="{'job': GenerateJob fields, 'config': GenerationConfig}")
+    parser.add_argument("payload", help="{'job': GenerateJob fields, 'options': settings given}")
     payload = json.loads(parser.parse_args(argv).payload)
-    job = _from_json(GenerateJob, payload["job"])
-    config = _from_json(GenerationConfig, payload["config"])
+    job = GenerateJob(**_tuples(payload["job"]))
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # an entry point, like cli
     dist.init_process_group("gloo")
     try:
-        run(job, config)
+        run(job, _tuples(payload["options"]))
     finally:
         dist.destroy_process_group()
     return 0

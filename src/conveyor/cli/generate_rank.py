@@ -4,5 +4,7 @@ torchrun starts. A module of its own that nothing imports: ``conveyor.cli`` impo
 
 from conveyor.cli.generate import worker
 
+__all__: list[str] = []
+
 if __name__ == "__main__":
     raise SystemExit(worker())

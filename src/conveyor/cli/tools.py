@@ -152,8 +152,8 @@ def add_tool_commands(commands: Any) -> None:
         type=step_range,
         default=None,
         metavar="N|FIRST-LAST",
-        help="step to render, or steps FIRST to LAST on one time axis (default: the last step "
-        "every rank recorded)",
+        help="step to render, or steps FIRST to LAST on one time axis, counted from 0 as "
+        "Pipeline.step_index (default: the last step every rank recorded)",
     )
     tracer.add_argument(
         "--png",

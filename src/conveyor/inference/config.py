@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["GenerationConfig"]
+__all__ = ["GenerationConfig", "model_defaults"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,11 +31,14 @@ class GenerationConfig:
     """Sample among the most likely tokens whose probabilities sum to top_p (nucleus)."""
     seed: int = 0
     """Seed of every sequence's sampling generator."""
-    eos_token_id: tuple[int, ...] = ()
-    """Stop tokens: a sequence that samples one is finished and gets pad_token_id after it;
-    generation ends when every sequence is finished."""
+    eos_token_id: tuple[int, ...] | int = ()
+    """Stop tokens (one id or several; kept as a tuple): a sequence that samples one is
+    finished and gets pad_token_id after it; generation ends when every sequence is finished.
+    DecodePipeline's default: the model's own (``generation_config.eos_token_id``)."""
     pad_token_id: int = 0
-    """Token after a finished sequence's stop token, and left padding of ragged prompts."""
+    """Token after a finished sequence's stop token, and left padding of ragged prompts.
+    DecodePipeline's default: the model's own, else its first stop token, as Hugging Face's
+    generate does."""
     num_groups: int | None = None
     """Groups of sequences decoded in flight, each on another rank at a time (the decode
     analogue of micro-batches); default: one per rank, at most one per sequence. 1 is the
@@ -54,6 +57,16 @@ class GenerationConfig:
     """Rank (in the pipeline's group) that gets the tokens; default: every rank."""
 
     def __post_init__(self) -> None:
+        stops = self.eos_token_id
+        stops = (stops,) if isinstance(stops, int) else tuple(stops or ())
+        if not all(isinstance(t, int) and t >= 0 for t in stops):
+            raise ValueError(f"eos_token_id must be token ids (ints >= 0), got {stops!r}")
+        object.__setattr__(self, "eos_token_id", stops)
+        if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
+            raise ValueError(
+                f"pad_token_id must be a token id (an int >= 0), got {self.pad_token_id!r}; for "
+                "a tokenizer without a pad token, pass its eos_token_id, as Hugging Face does"
+            )
         for name in ("max_new_tokens", "num_groups", "prefill_chunk", "top_k", "memory_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -69,6 +82,12 @@ class GenerationConfig:
         if self.dst is not None and self.dst < 0:
             raise ValueError(f"dst must be a rank >= 0, got {self.dst}")
 
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        """``eos_token_id`` as the tuple it is once validated."""
+        stops = self.eos_token_id
+        return stops if isinstance(stops, tuple) else (stops,)
+
     def replace(self, **changes: Any) -> GenerationConfig:
         """This config with ``changes`` (field names) applied and validated."""
         names = {f.name for f in dataclasses.fields(self)}
@@ -79,3 +98,14 @@ class GenerationConfig:
                 f"{sorted(names)}"
             )
         return dataclasses.replace(self, **changes)
+
+
+def model_defaults(own: Any) -> GenerationConfig:
+    """GenerationConfig with the stop and pad tokens of a model's own generation settings
+    (a Hugging Face ``generation_config``, or None): the tokens its own generate would use."""
+    stops = getattr(own, "eos_token_id", None)
+    stops = () if stops is None else (stops,) if isinstance(stops, int) else tuple(stops)
+    pad = getattr(own, "pad_token_id", None)
+    return GenerationConfig(
+        eos_token_id=stops, pad_token_id=pad if pad is not None else (stops or (0,))[0]
+    )

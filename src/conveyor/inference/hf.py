@@ -73,6 +73,10 @@ class _HfLM(CausalLM):
 
     default_cache = "dynamic"
 
+    @property
+    def generation_config(self) -> Any:
+        return getattr(self.model, "generation_config", None)
+
     def __init__(self, model: Any, body: Any, blocks: Any) -> None:
         # Any: transformers is optional, and its modules are reached by attribute
         self.model: Any = model

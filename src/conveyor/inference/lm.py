@@ -67,6 +67,12 @@ class CausalLM(ABC):
     """Cache kind used when the generation config does not name one."""
 
     @property
+    def generation_config(self) -> Any:
+        """The model's own generation settings (a Hugging Face model's), whose stop and pad
+        tokens ``generate`` starts from; None."""
+        return None
+
+    @property
     def num_blocks(self) -> int:
         return self.num_units - 2
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from conveyor.graph import StageGraph, chain
 from conveyor.inference.cache import format_bytes
-from conveyor.inference.config import GenerationConfig
+from conveyor.inference.config import GenerationConfig, model_defaults
 from conveyor.inference.gpt import GptLM, is_gpt
 from conveyor.inference.lm import CausalLM
 from conveyor.inference.models import as_causal_lm
@@ -128,6 +128,7 @@ class DecodePipeline:
         self.num_generations = 0
         self.stats: GenerationStats | None = None
         """Timings of the last generate call."""
+
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing: one recorded step per generate call."""
         if trace:
@@ -206,7 +207,7 @@ class DecodePipeline:
                 budget, or malformed prompts or settings.
         """
         start = time.perf_counter()
-        config = (config or GenerationConfig()).replace(**options)
+        config = (config or self.defaults).replace(**options)
         ids, mask = prepare_prompts(input_ids, attention_mask, config.pad_token_id)
         self._check(ids, config)
         batch = self._batch(ids, mask, config)
@@ -221,7 +222,7 @@ class DecodePipeline:
         new = self._share(tokens, batch, config.dst)
         length = config.max_new_tokens
         if new is not None:
-            length = generated_length(new, config.eos_token_id)
+            length = generated_length(new, config.stop_tokens)
         first = self._runtime.first_token
         self.stats = GenerationStats(
             time.perf_counter() - start,
@@ -230,6 +231,12 @@ class DecodePipeline:
             length,
         )
         return None if new is None else torch.cat([ids.to(new.device), new[:, :length]], 1)
+
+    @property
+    def defaults(self) -> GenerationConfig:
+        """The settings ``generate`` starts from when given no config: the model's own stop
+        and pad tokens (a Hugging Face model's ``generation_config``), as its generate uses."""
+        return model_defaults(self.lm.generation_config)
 
     def program(self, num_groups: int, prompt_length: int, config: GenerationConfig) -> Program:
         """The decode Program of ``num_groups`` groups and prompts of ``prompt_length`` tokens."""
@@ -406,7 +413,12 @@ def default_balance(num_units: int, num_stages: int) -> list[int]:
 
 
 def _stage_units(lm: CausalLM, balance: Sequence[int]) -> dict[int, range]:
-    if any(b < 1 for b in balance) or sum(balance) != lm.num_units:
+    if any(b < 1 for b in balance):
+        raise ValueError(
+            f"balance {list(balance)} gives a stage {min(balance)} units; every stage needs "
+            "at least one (the embedding, a block or the head)"
+        )
+    if sum(balance) != lm.num_units:
         raise ValueError(
             f"balance {list(balance)} covers {sum(balance)} units but the model has "
             f"{lm.num_units} (the embedding, {lm.num_blocks} blocks and the head); pass "

@@ -52,7 +52,7 @@ class Sampler:
             torch.Generator(device).manual_seed(sequence_seed(config.seed, row)) for row in rows
         ]
         self.unfinished = torch.ones(len(rows), dtype=torch.bool, device=device)
-        self.stops = torch.tensor(config.eos_token_id, dtype=torch.long, device=device)
+        self.stops = torch.tensor(config.stop_tokens, dtype=torch.long, device=device)
 
     @property
     def done(self) -> bool:

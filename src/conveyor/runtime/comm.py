@@ -260,14 +260,15 @@ class P2P:
         for group in groups:
             if group is not None and dist.get_backend(group) == "gloo":
                 close_gloo_group(group)
-                _CLOSED.add(group.group_name)
+                _CLOSED[group.group_name] = dist.group.WORLD
         if self._upward is not None and _DIRECTIONS[:1] == [self._upward]:
             _DIRECTIONS.clear()  # the next Pipeline makes new ones
 
     def check_open(self) -> None:
         """Raise if a Pipeline that abandoned a step closed the groups this one talks over."""
         groups = [self._upward, self._downward, self.group]
-        if any(g is not None and g.group_name in _CLOSED for g in groups):
+        world = dist.group.WORLD
+        if any(g is not None and _CLOSED.get(g.group_name) is world for g in groups):
             raise RuntimeError(
                 f"rank {self.rank}: the process group this Pipeline talks over was closed "
                 "when a Pipeline on it abandoned a step; create a new Pipeline (over a new "
@@ -284,8 +285,9 @@ class P2P:
 # news crosses the whole pipeline. Messages may be in flight, so the closed groups are never
 # used again: the world's direction groups are made anew by the next Pipeline, and a
 # Pipeline over a closed group of the user's refuses to run (check_open).
-_CLOSED: set[str] = set()
-"""Names of the groups closed by an abandoned step, in this process."""
+_CLOSED: dict[str, Any] = {}
+"""Names of the groups closed by an abandoned step, in this process, with the world they were
+in (a new world names its groups anew, so the same name there is another group)."""
 
 
 # Note [a group per direction]:

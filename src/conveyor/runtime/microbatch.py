@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,17 +46,43 @@ def split(value: Any, num_microbatches: int, size: int | None = None) -> list[An
     return [pytree.tree_unflatten([c[k] for c in columns], spec) for k in range(num_microbatches)]
 
 
-def merge(chunks: list[Any]) -> Any:
+def merge(chunks: list[Any], weights: Sequence[float] | None = None) -> Any:
     """Concatenate per-micro-batch outputs along the first dimension (inverse of ``split``).
 
-    Tensors with at least one dimension are concatenated; other leaves come from chunk 0.
+    Tensors with at least one dimension are concatenated. A leaf that is the same in every
+    micro-batch is kept. A floating-point scalar that differs (a loss) is the sum of the
+    micro-batches' weighted by ``weights``, their shares of the step's loss
+    (conveyor.runtime.loss; default: the mean).
+
+    Raises:
+        ValueError: another kind of leaf differs between micro-batches.
     """
     columns = [pytree.tree_flatten(chunk)[0] for chunk in chunks]
     spec = pytree.tree_flatten(chunks[0])[1]
-    merged = [
-        torch.cat(list(column))
-        if isinstance(column[0], torch.Tensor) and column[0].dim() > 0
-        else column[0]
-        for column in zip(*columns, strict=True)
-    ]
-    return pytree.tree_unflatten(merged, spec)
+    shares = list(weights) if weights is not None else [1 / len(chunks)] * len(chunks)
+    return pytree.tree_unflatten(
+        [_merged(list(column), shares, i) for i, column in enumerate(zip(*columns, strict=True))],
+        spec,
+    )
+
+
+def _merged(column: list[Any], weights: list[float], index: int) -> Any:
+    first = column[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat(column)
+    if all(_same(first, other) for other in column[1:]):
+        return first
+    if isinstance(first, torch.Tensor) and first.is_floating_point():
+        parts = [w * value for w, value in zip(weights, column, strict=True) if w]
+        return sum(parts, torch.zeros_like(first))
+    raise ValueError(
+        f"output leaf {index} ({type(first).__name__}) differs between micro-batches "
+        f"({first!r}, {column[1]!r}, ...) and is neither a batch to concatenate nor a loss to "
+        "weigh; return it with a batch dimension, so that it can be concatenated"
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a is b or a == b)

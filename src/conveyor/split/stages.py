@@ -69,6 +69,9 @@ def build_stage_graph(
     model's output in the model's own structure (a ModelOutput stays one).
     """
     graph = traced.graph
+    for node in graph.nodes:  # an attribute read for nothing (export keeps some): stage 0
+        if node.op == "get_attr" and not node.users:
+            assignment.setdefault(node, 0)
     model_inputs = tuple(_value_name(n) for n in graph.nodes if n.op == "placeholder")
     num_stages = len(placement)
     crossing: list[list[fx.Node]] = [[] for _ in range(num_stages)]  # outputs per stage
