@@ -98,3 +98,12 @@ def _lost_replica(rank: int, world_size: int) -> None:
 @pytest.mark.dist
 def test_a_lost_replica_is_named_within_the_timeout(tmp_path: Path) -> None:
     run_ranks(_lost_replica, tmp_path, 2, timeout_s=120)
+
+
+def test_a_replicas_own_error_is_not_told_as_a_lost_peer() -> None:
+    from conveyor.parallel.data_parallel import _about_a_peer
+
+    assert not _about_a_peer(RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo"))
+    gone = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
+    assert _about_a_peer(RuntimeError(gone))
+    assert _about_a_peer(RuntimeError("Timed out waiting 5000ms for recv operation"))

@@ -370,6 +370,9 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
         pipe.step(x, x.to("meta"))
     with pytest.raises(ValueError, match="no layers to split"):
         conveyor.Pipeline(nn.Sequential(), loss_fn=F.mse_loss)
+    if not torch.cuda.is_available():  # a CPU build of torch, or no GPU
+        with pytest.raises(ValueError, match="sees no cuda device here; pass device='cpu'"):
+            conveyor.Pipeline(tiny(4), device="cuda", loss_fn=F.mse_loss)
     layer = nn.Linear(8, 8)
     with pytest.raises(ValueError, match=r"same module object at positions \[0, 1\]"):
         conveyor.Pipeline(nn.Sequential(layer, layer), placement=(0, 0))  # no balance given

@@ -116,7 +116,7 @@ class Pipeline:
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = _usable(device) if device is not None else _default_device(group)
         self.loss_fn = loss_fn
         if config.deferred_batch_norm and isinstance(model, nn.Module):
             model = DeferredBatchNorm.convert(model, config.num_microbatches)
@@ -845,6 +845,21 @@ def _split_points(model: nn.Module, config: PipelineConfig, num_ranks: int) -> t
         else:
             split_points = ()
     return tuple(split_points)
+
+
+def _usable(device: torch.device | str) -> torch.device:
+    """``device``, if this torch build and machine have it."""
+    found = torch.device(device)
+    if found.type != "cpu" and found.type != "meta":
+        module = getattr(torch, found.type, None)
+        available = getattr(module, "is_available", None)
+        if available is not None and not available():
+            raise ValueError(
+                f"device={str(device)!r}, but this torch ({torch.__version__}) sees no "
+                f"{found.type} device here; pass device='cpu' (with the gloo backend) or leave "
+                "device out to use this process's accelerator when there is one"
+            )
+    return found
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -5,16 +5,6 @@ trace, simulate --profile), ``launch`` (conveyor's run options, then torchrun) a
 (flags made from config dataclasses).
 """
 
-from __future__ import annotations
-
-from collections.abc import Sequence
+from conveyor.cli.main import main
 
 __all__ = ["main"]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``conveyor`` command. Imported on call, so that ``python -m conveyor.cli.generate``
-    (each rank of ``conveyor generate``) does not find its own module imported already."""
-    from conveyor.cli.main import main as run
-
-    return run(argv)

@@ -228,6 +228,8 @@ class DataParallel:
         try:
             yield
         except RuntimeError as error:
+            if not _about_a_peer(error):  # this rank's own (an unsupported reduction...)
+                raise RuntimeError(f"rank {dist.get_rank()}: {doing} failed: {error}") from error
             ranks = dist.get_process_group_ranks(self.group)
             others = [r for r in ranks if r != dist.get_rank()]
             raise PeerLostError(
@@ -240,6 +242,17 @@ class DataParallel:
         """Free gathered parameters (after inference, which has no backward to do it)."""
         for fsdp in self._fsdp.values():
             fsdp.reshard()
+
+
+_PEER_WORDS = ("connection", "closed", "timed out", "timeout", "reset", "broken pipe", "peer")
+"""Words of gloo's and NCCL's errors for a peer that left or went silent."""
+
+
+def _about_a_peer(error: RuntimeError) -> bool:
+    """Whether a collective's ``error`` says a peer left or went silent, not that this rank's
+    own call was wrong."""
+    text = str(error).lower()
+    return any(word in text for word in _PEER_WORDS)
 
 
 class _Pending(Sequence[float]):
