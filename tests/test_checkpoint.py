@@ -695,3 +695,43 @@ def _dag_resume(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.timeout(300)
 def test_graph_pipeline_resumes_bitwise(tmp_path: Path) -> None:
     run_ranks(_dag_resume, tmp_path, 2, timeout_s=240, root=str(tmp_path))
+
+
+class WithAuxiliaryHead(nn.Module):
+    """A GPT whose auxiliary head the forward never calls: its parameters never get a
+    gradient, so the optimizer never holds state for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = small_gpt()
+        self.aux = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+
+def _unused_head(rank: int, world_size: int, root: str) -> None:
+    options: dict[str, Any] = {"pipeline": {"split_points": ["body.2"]}}
+    torch.manual_seed(0)
+    reference = Run(Path(root) / "reference", model=WithAuxiliaryHead(), **options)
+    expected = reference.train(0, 6)
+    expected_state = reference.state()
+    reference.ckpt.close()
+    torch.manual_seed(0)
+    first = Run(Path(root) / "run", model=WithAuxiliaryHead(), **options)
+    assert first.train(0, 5) == expected[:5]
+    first.ckpt.wait()
+    torch.manual_seed(0)
+    second = Run(Path(root) / "run", model=WithAuxiliaryHead(), **options)
+    assert second.ckpt.resume_latest() == 4
+    assert second.train(4, 6) == expected[4:]
+    assert_same(second.state(), expected_state)  # the head: its weights, and no optimizer state
+    if rank == 0:
+        assert "aux.weight" in second.pipe.state_dict()
+    second.ckpt.close()
+
+
+@pytest.mark.dist
+def test_a_head_the_forward_never_calls_is_saved_and_resumed(tmp_path: Path) -> None:
+    run_ranks(_unused_head, tmp_path, 2, timeout_s=200, root=str(tmp_path))

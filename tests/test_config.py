@@ -96,6 +96,19 @@ def test_sources_resolve_in_order(tmp_path: Path) -> None:
     assert (launched.schedule, launched.trace_dir) == ("zb-h1", "/runs/t")
     own = resolve(base, options={"trace_dir": "mine"}, environ={TRACE_ENV: "/runs/t"})
     assert own.trace_dir == "mine"
+    # the script's own way to split, or its checkpoint, replaces what the plan made for its
+    # own stages
+    planned = {"balance": [2, 1, 1, 2], "placement": [0, 1, 0, 1], "num_microbatches": 8}
+    plan.write_text(json.dumps({"pipeline": {**planned, "stage_checkpoint": ["always"] * 4}}))
+    own_split = resolve(base, plan=plan, options={"balance": (3, 3)}, environ={})
+    assert (own_split.balance, own_split.placement, own_split.stage_checkpoint) == (
+        (3, 3),
+        None,
+        None,
+    )
+    assert own_split.num_microbatches == 8
+    own_checkpoint = resolve(base, plan=plan, options={"checkpoint": "never"}, environ={})
+    assert own_checkpoint.stage_checkpoint is None and own_checkpoint.placement == (0, 1, 0, 1)
     # `conveyor run --dp N` fills an unset data-parallel degree
     assert resolve(base, environ={DP_ENV: "2"}).dp == 2
     assert resolve(base, options={"dp": 4}, environ={DP_ENV: "2"}).dp == 4

@@ -40,6 +40,7 @@ __all__ = [
     "PipelineConfig",
     "RuntimeConfig",
     "SplitConfig",
+    "SplitMethod",
     "TrainingConfig",
     "read_plan",
     "resolve",
@@ -60,6 +61,8 @@ TP_ENV = "CONVEYOR_TP"
 ranks."""
 
 SplitMethod = Literal["balance", "split_points", "stage_modules", "auto_split"]
+_UNSPLIT = {"balance": None, "split_points": None, "stage_modules": None, "auto_split": False}
+"""No way to split chosen: what another source's way to split replaces."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,14 +322,20 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
         """This config with a plan's fields: a plan's way to split replaces this one's."""
         plan = _fields_of(type(self), fields, "the plan")
         if set(plan) & set(get_args(SplitMethod)):
-            unsplit = {
-                "balance": None,
-                "split_points": None,
-                "stage_modules": None,
-                "auto_split": False,
-            }
-            plan = {**unsplit, **plan}
+            plan = {**_UNSPLIT, **plan}
         return dataclasses.replace(self, **plan)
+
+    def with_options(self, fields: Mapping[str, Any]) -> PipelineConfig:
+        """This config with a script's own options, which win over a plan's: a way to split of
+        theirs replaces the plan's, with the placement and per-stage checkpointing made for
+        the plan's stages, and a ``checkpoint`` of theirs replaces the per-stage one."""
+        options = _fields_of(type(self), fields, "the options")
+        dropped: dict[str, Any] = {}
+        if set(options) & set(get_args(SplitMethod)):
+            dropped = {**_UNSPLIT, "placement": None, "stage_checkpoint": None}
+        if "checkpoint" in options:
+            dropped["stage_checkpoint"] = None
+        return dataclasses.replace(self, **{**dropped, **options})
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain data (tuples as lists), for logs, JSON and checkpoints."""
@@ -395,7 +404,9 @@ def resolve(
 
     1. ``config`` (default: PipelineConfig());
     2. the plan file ``plan`` (its way to split replaces the config's);
-    3. ``options`` (``Pipeline(model, schedule=..., ...)``);
+    3. ``options`` (``Pipeline(model, schedule=..., ...)``): a way to split or a
+       ``checkpoint`` of theirs replaces the plan's (with its placement and per-stage
+       checkpointing);
     4. ``$CONVEYOR_PLAN`` (``conveyor run --plan FILE``): overrides the script;
     5. ``$CONVEYOR_TRACE_DIR`` (``conveyor run --trace DIR``): a trace directory, unless one
        is set already; ``$CONVEYOR_DP`` and ``$CONVEYOR_TP`` (``conveyor run --dp N --tp N``):
@@ -404,7 +415,7 @@ def resolve(
     config = config or PipelineConfig()
     if plan is not None:
         config = config.with_plan(read_plan(plan))
-    config = config.replace(**(options or {}))
+    config = config.with_options(options or {})
     if environ.get(PLAN_ENV):
         config = config.with_plan(read_plan(environ[PLAN_ENV]))
         logger.info("using the plan in %s (conveyor run --plan)", environ[PLAN_ENV])

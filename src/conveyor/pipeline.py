@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from conveyor.config import PLAN_ENV, PipelineConfig, resolve
+from conveyor.config import PLAN_ENV, PipelineConfig, SplitMethod, resolve
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
@@ -123,8 +123,11 @@ class Pipeline:
         if not isinstance(model, StageGraph):
             config = self.config = _with_layout(config, self.num_ranks)
         self._model = model
+        planned = os.environ.get(PLAN_ENV) or (
+            None if set(options) & set(get_args(SplitMethod)) else plan
+        )  # the plan file the split comes from, if any
         self.split_points, self.graph = _split_as_planned(
-            model, config, self.num_ranks, concrete_args, example_inputs, plan
+            model, config, self.num_ranks, concrete_args, example_inputs, planned
         )
         self.topology = self.graph.topology()
         if (
@@ -661,7 +664,7 @@ class Pipeline:
             f"{mesh}schedule={self.config.schedule} stages={self.graph.num_stages} "
             f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
             f"{_split_summary(self.graph, self.split_points)} "
-            f"checkpoint={self.config.checkpoint} "
+            f"checkpoint={list(self.config.stage_checkpoint or ()) or self.config.checkpoint} "
             f"est. bubble={estimate.bubble_fraction:.0%}"
         )
 
@@ -737,7 +740,7 @@ def _split_as_planned(
     example_inputs: Any,
     plan: str | os.PathLike[str] | None,
 ) -> tuple[tuple[str, ...], StageGraph]:
-    """``_split``, checked against the number of ranks; when a plan file set the config
+    """``_split``, checked against the number of ranks; when the split comes from a plan file
     (``plan=`` or ``conveyor run --plan``), an error says so: a plan fits the model and the
     ranks it was made for."""
     try:
@@ -749,7 +752,7 @@ def _split_as_planned(
                 f"`conveyor run -n {graph.num_ranks}` or change the split"
             )
     except (ValueError, TypeError) as error:
-        source = os.environ.get(PLAN_ENV) or plan
+        source = plan
         if source is None:
             raise
         kind = ValueError if isinstance(error, ValueError) else TypeError

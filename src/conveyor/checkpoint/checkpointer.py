@@ -556,7 +556,7 @@ class Checkpointer:
         finally:
             self._random.source_rank, self._random.keys = self.rank, None
             if self._optimizer is not None:
-                self._optimizer.load_with_state = None
+                self._optimizer.load_with_state = self._optimizer.saved = None
         if self.is_coordinator:
             logger.info("resumed from %s (step %d)", path, manifest.step)
         self._last_step = manifest.step
@@ -566,7 +566,8 @@ class Checkpointer:
         """The Stateful objects to load into, shaped like what the checkpoint holds."""
         keys = metadata.state_dict_metadata
         if self._optimizer is not None:
-            self._optimizer.load_with_state = any(k.startswith("optimizer.state.") for k in keys)
+            saved = {k.removeprefix("optimizer.") for k in keys if k.startswith("optimizer.state.")}
+            self._optimizer.load_with_state, self._optimizer.saved = bool(saved), saved
         own = f"rng.rank{self.rank}."
         source = self.rank if any(k.startswith(own) for k in keys) else 0
         if source != self.rank:

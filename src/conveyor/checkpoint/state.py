@@ -113,6 +113,9 @@ class OptimizerState:
         self.module = module
         self.optimizer = optimizer
         self.load_with_state: bool | None = None
+        self.saved: set[str] | None = None
+        """When loading: the ``state.`` entries the checkpoint holds. A parameter that never
+        had a gradient (an auxiliary head) has no optimizer state, so none was saved."""
 
     def state_dict(self) -> dict[str, Any]:
         saving = self.load_with_state is None
@@ -121,7 +124,10 @@ class OptimizerState:
             state = dict(get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT))
         else:
             state = self._hyperparameters()
-        return self._with_aliases(state) if saving else state
+        if saving:
+            return self._with_aliases(state)
+        saved = self.saved
+        return {k: v for k, v in state.items() if saved is None or _kept(k, saved)}
 
     def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
         """Entries of a parameter known by several names (weights tied within this rank)
@@ -141,7 +147,13 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if any(key.startswith("state.") for key in state):
-            set_optimizer_state_dict(self.module, self.optimizer, state, options=_FLAT)
+            # torch's helper wants every parameter's entries: those the checkpoint lacks come
+            # from the template (built by a zero step), then are dropped, as never saved
+            full = dict(get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT))
+            set_optimizer_state_dict(self.module, self.optimizer, {**full, **state}, options=_FLAT)
+            for name, parameter in self.module.named_parameters():
+                if not any(key.startswith(f"state.{name}.") for key in state):
+                    self.optimizer.state.pop(parameter, None)
             return
         names = {id(p): name for name, p in self.module.named_parameters()}
         for group in self.optimizer.param_groups:
@@ -160,6 +172,11 @@ class OptimizerState:
             for key, value in group.items()
             if key != "params"
         }
+
+
+def _kept(key: str, saved: set[str]) -> bool:
+    """Whether a template entry is loaded: hyperparameters always, state if it was saved."""
+    return not key.startswith("state.") or key in saved
 
 
 class RandomState:
