@@ -116,6 +116,27 @@ def _check_eval_loss(
     pipe.train(), plain.train()
 
 
+def _attention_dropout_follows_the_mode() -> None:
+    """GPT-2 passes attention's dropout probability only in training: split in training mode,
+    evaluation turns it off; split in evaluation mode, training is refused."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, attn_pdrop=0.3
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    plain = copy.deepcopy(model).eval()
+    batch = text_batch()
+    options: dict[str, Any] = {"split_points": ["transformer.h.1"], "example_inputs": batch}
+    pipe = conveyor.Pipeline(model, num_microbatches=2, timeout_s=30, **options).eval()
+    with torch.no_grad():
+        output, expected = pipe(batch), plain(**batch)
+    if output is not None:
+        torch.testing.assert_close(output.logits, expected.logits)
+    evaluating = conveyor.Pipeline(plain, num_microbatches=2, timeout_s=30, **options)
+    with pytest.raises(ValueError, match="split in eval mode into stages that hold for that"):
+        evaluating.train()
+
+
 def _language_models(rank: int, world_size: int) -> None:
     cases: list[tuple[Any, dict[str, Any], bool]] = [
         (gpt2, {"split_points": ["transformer.h.2"], "schedule": "1f1b"}, False),
@@ -137,6 +158,7 @@ def _language_models(rank: int, world_size: int) -> None:
         )
         check_against_plain(pipe, plain, batch)
         _check_eval_loss(pipe, plain, batch)
+    _attention_dropout_follows_the_mode()
     # the batch and sequence dimensions stayed dynamic: another shape runs, as plain
     check_against_plain(pipe, plain, text_batch(masked_lm, shape=(12, 7)))
     without_mask = {k: v for k, v in batch.items() if k != "attention_mask"}

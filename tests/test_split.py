@@ -272,7 +272,10 @@ def test_a_forward_that_reads_the_mode_keeps_the_mode_it_was_split_in(one_rank: 
     assert split_model(Masked(), ["b"]).training is None
     pipe = conveyor.Pipeline(Decides(), split_points=["b"], placement=[0, 0], **ONE_RANK)
     pipe.train()
-    with pytest.raises(ValueError, match=r"kept the train-mode branch.*model.eval\(\) first"):
+    with pytest.raises(
+        ValueError,
+        match=r"split in train mode into stages that hold for that mode only.*model.eval\(\) first",
+    ):
         pipe.eval()
     x = torch.randn(2, 4)
     reference = Decides().eval()

@@ -629,9 +629,11 @@ class Pipeline:
         if traced is not None and mode != traced:
             name = type(self._model).__name__
             raise ValueError(
-                f"{name}'s traced forward reads self.training, and the split kept the "
-                f"{_MODE[traced]}-mode branch: in {_MODE[mode]} mode the stages would still "
-                f"compute the {_MODE[traced]}-mode path. Build another Pipeline from the model "
+                f"{name} was split in {_MODE[traced]} mode into stages that hold for that mode "
+                f"only (its traced forward reads self.training, or its export dropped what "
+                f"{_MODE[mode]} mode needs, such as attention's dropout): in {_MODE[mode]} mode "
+                f"they would still compute the {_MODE[traced]}-mode path. Build another Pipeline "
+                "from the model "
                 f"in {_MODE[mode]} mode (model.{'train()' if mode else 'eval()'} first) to "
                 f"run in {_MODE[mode]} mode, or move the branch into a submodule that lies "
                 "wholly inside one stage (only modules that contain a split point are traced)"

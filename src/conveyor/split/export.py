@@ -27,7 +27,7 @@ from conveyor.split.inputs import bind_error
 from conveyor.split.tracing import module_path, where, within
 from conveyor.torch_compat import pytree
 
-__all__ = ["ExportedInputs", "export_model"]
+__all__ = ["HOLDS_FOR", "ExportedInputs", "export_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def export_model(
     module = exported.module()
     _name_by_user(module, model)
     _drop_guards(module)
-    _bind_training_flags(module)
+    module.meta[HOLDS_FOR] = _bind_training_flags(module, model.training)
     module.recompile()
     inputs = ExportedInputs(
         signature, tensors, constants, added, _fixed_sizes(module), type(model).__name__
@@ -125,13 +125,16 @@ def export_model(
 
 # Note [exported modes]:
 # Export runs the model in the mode it is in and bakes that mode into the graph: dropout's and
-# batch norm's `train` argument is a constant. So conveyor exports in training mode and then
-# wires every such argument to the graph module's own `training` attribute (a get_attr node),
-# so that Pipeline.train() and .eval() switch the exported stages as they switch any module:
-# dropout off, batch norm on its running statistics. Batch norm's count of batches tracked,
-# an in-place add outside the op, is guarded the same way. Python-level `if self.training`
-# branches in the model's own code are still taken as in training (transformers only uses them
-# for warnings and gradient checkpointing).
+# batch norm's `train` argument is a constant, and so is attention's dropout probability
+# (transformers passes `p if self.training else 0.0`). So conveyor wires every such argument to
+# the graph module's own `training` attribute (a get_attr node), so that Pipeline.train() and
+# .eval() switch the exported stages as they switch any module: dropout on or off, batch norm
+# on its running statistics, attention's dropout at 0 in evaluation. Batch norm's count of
+# batches tracked, an in-place add outside the op, is guarded the same way. What an export in
+# evaluation mode lost cannot be wired back: attention's dropout probability (0.0 there) and
+# batch norm's count; such a graph holds for evaluation only (HOLDS_FOR), and a Pipeline
+# refuses to train with it, as it refuses when a traced forward reads self.training. Other
+# Python-level `if self.training` branches of the model's own code stay as exported.
 _MODE_ARGUMENTS: dict[Any, int] = {
     torch.ops.aten.dropout.default: 2,
     torch.ops.aten.feature_dropout.default: 2,
@@ -140,23 +143,42 @@ _MODE_ARGUMENTS: dict[Any, int] = {
     torch.ops.aten.batch_norm.default: 5,
 }
 """ATen operations whose result depends on the mode, and the index of their mode argument."""
+_DROPOUT_P: dict[Any, int] = {torch.ops.aten.scaled_dot_product_attention.default: 4}
+"""ATen operations that take a dropout probability the caller zeroes in evaluation, and its
+index."""
+HOLDS_FOR = "conveyor_holds_for"
+"""Key of an exported graph module's ``meta``: the mode its graph holds for (False: evaluation
+only), or None for both."""
 
 
-def _bind_training_flags(module: fx.GraphModule) -> None:
+def _bind_training_flags(module: fx.GraphModule, training: bool) -> bool | None:
+    """Wire the mode arguments of ``module``, exported in ``training`` mode or not, to its
+    ``training`` attribute; returns the mode the graph then holds for (None: both). See Note
+    [exported modes]."""
     graph = module.graph
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first), warnings.catch_warnings():
         # fx warns for attributes that are not parameters, buffers or modules; `training` is
         # the module flag itself, which every GraphModule has
         warnings.simplefilter("ignore", UserWarning)
-        training = graph.get_attr("training")
+        flag = graph.get_attr("training")
+    lost = False
     for node in list(graph.nodes):
         index = _MODE_ARGUMENTS.get(node.target)
-        if index is not None and len(node.args) > index and node.args[index] is True:
-            node.args = (*node.args[:index], training, *node.args[index + 1 :])
+        p = _DROPOUT_P.get(node.target)
+        if index is not None and len(node.args) > index and isinstance(node.args[index], bool):
+            node.args = (*node.args[:index], flag, *node.args[index + 1 :])
+            lost |= not training and node.target is torch.ops.aten.batch_norm.default
+        elif p is not None and training and len(node.args) > p and node.args[p]:
+            with graph.inserting_before(node):
+                zeroed = graph.call_function(_if_training, (flag, node.args[p]))
+            node.args = (*node.args[:p], zeroed, *node.args[p + 1 :])
+        elif p is not None:
+            lost |= not training
         elif _counts_batches(node):
             node.target = _add_if_training
-            node.args = (training, *node.args)
+            node.args = (flag, *node.args)
+    return False if lost else None
 
 
 def _counts_batches(node: fx.Node) -> bool:
@@ -170,6 +192,11 @@ def _counts_batches(node: fx.Node) -> bool:
         and target.op == "get_attr"
         and str(target.target).endswith("num_batches_tracked")
     )
+
+
+def _if_training(training: bool, p: float) -> float:
+    """A dropout probability in training mode, 0 otherwise."""
+    return p if training else 0.0
 
 
 def _add_if_training(training: bool, tensor: torch.Tensor, other: Any) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from torch import fx, nn
 
-from conveyor.split.export import export_model
+from conveyor.split.export import HOLDS_FOR, export_model
 from conveyor.split.inputs import TracedInputs
 from conveyor.split.tracing import NO_MODULE, module_path, trace_graph, within
 from conveyor.torch_compat import pytree
@@ -117,4 +117,5 @@ def _exported(model: nn.Module, example_inputs: Any) -> Traced:
             "batch as step() takes it>, e.g. {'input_ids': ids, 'labels': labels}"
         )
     module, inputs, output_spec = export_model(model, example_inputs)
-    return Traced(module.graph, module, inputs.bind, output_spec, "export")
+    module.training = model.training  # stages start in the model's mode (train() is refused)
+    return Traced(module.graph, module, inputs.bind, output_spec, "export", module.meta[HOLDS_FOR])
