@@ -57,7 +57,8 @@ def test_summary_splits_each_rank_into_busy_comm_wait_and_bubble() -> None:
     assert (rank0.peak_memory, rank1.peak_memory) == (100, 50)
     assert timeline.bubble_fraction == pytest.approx(1 - 4.0 / 10)
     text = timeline.summary_text()
-    assert "schedule=gpipe" in text and "step 5000.00 ms" in text and "bubble 60.0%" in text
+    assert "schedule=gpipe" in text and "step 5000.00 ms" in text
+    assert "idle 60.0% (bubble + comm wait)" in text
     assert text.splitlines()[2].split()[:4] == ["0", "60.0%", "28.0%", "12.0%"]
 
 
@@ -321,7 +322,7 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
     predicted.save(tmp_path / "predicted.json")
     assert main(["trace", str(tmp_path), "--compare", str(tmp_path / "predicted.json")]) == 0
     out = capsys.readouterr().out
-    assert "measured schedule=1f1b: step 4000.00 ms, bubble 50.0%" in out
+    assert "measured schedule=1f1b: step 4000.00 ms, idle 50.0% (bubble + comm wait)" in out
     assert "simulated: step 2000.00 ms" in out
     assert (tmp_path / "timeline.png").stat().st_size > 0
     trace = json.loads((tmp_path / "trace.json").read_text())

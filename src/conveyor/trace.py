@@ -238,8 +238,8 @@ class Timeline:
         return "\n".join(lines)
 
     def title(self) -> str:
-        """One line: source, what ran, step time (or the span of several steps) and bubble
-        fraction."""
+        """One line: source, what ran, step time (or the span of several steps) and the share
+        of rank-time not computing (the summary's bubble and communication wait together)."""
         what = " ".join(
             f"{k}={self.meta[k]}" for k in ("model", "schedule", "microbatches") if k in self.meta
         )
@@ -251,7 +251,8 @@ class Timeline:
         first, last = self.meta.get("steps", (None, None))
         span = f"steps {first}-{last} {duration}" if first != last else f"step {duration}"
         return (
-            f"{self.source}{' ' + what if what else ''}: {span}, bubble {self.bubble_fraction:.1%}"
+            f"{self.source}{' ' + what if what else ''}: {span}, "
+            f"idle {self.bubble_fraction:.1%} (bubble + comm wait)"
         )
 
     def shifted(self, origin: float) -> Timeline:

@@ -86,7 +86,7 @@ def add_tool_commands(commands: Any) -> None:
         "--model",
         required=True,
         help="an example name (gpt, unbalanced, ...) or package.module:function "
-        "returning a conveyor.profile.Workload",
+        "returning a conveyor.planner.Workload",
     )
     planner.add_argument("--ranks", type=positive_int, help="pipeline ranks (or --world-size)")
     planner.add_argument(

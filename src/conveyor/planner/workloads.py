@@ -61,6 +61,6 @@ def load_workload(spec: str) -> Workload:
     if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module):
         return Workload(spec, made[0], made[1], made[2])
     raise TypeError(
-        f"{spec} returned {type(made).__name__}; expected a conveyor.profile."
+        f"{spec} returned {type(made).__name__}; expected a conveyor.planner."
         "Workload or a tuple (model, batch_fn, loss_fn)"
     )
