@@ -193,11 +193,13 @@ def _pytrees(rank: int, world_size: int) -> None:
         plain.zero_grad()
     pipe.eval()
     plain.eval()
-    ids, mask = torch.randint(0, 10, (5, 4)), torch.ones(5, 4, dtype=torch.bool)
-    output = pipe.forward({"ids": ids, "mask": mask})
-    if output is not None:
-        for got, want in zip(output, plain(ids, mask), strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for samples in (5, 1):  # one sample: one micro-batch through both ranks
+        ids = torch.randint(0, 10, (samples, 4))
+        mask = torch.ones(samples, 4, dtype=torch.bool)
+        output = pipe.forward({"ids": ids, "mask": mask})
+        if output is not None:
+            for got, want in zip(output, plain(ids, mask), strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_pytrees_keywords_variable_shapes_and_inference(tmp_path: Path) -> None:
@@ -353,6 +355,17 @@ def _hung_peer(rank: int, world_size: int) -> None:
 
 def test_hung_peer_fails_the_other_rank_after_the_timeout(tmp_path: Path) -> None:
     run_ranks(_hung_peer, tmp_path, 2, timeout_s=60)
+
+
+def test_inference_runs_a_batch_smaller_than_the_microbatches(one_rank: None) -> None:
+    model = tiny(4)
+    pipe = conveyor.Pipeline(copy.deepcopy(model), num_microbatches=4, loss_fn=F.mse_loss).eval()
+    model.eval()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for batch in (x[:1], x):  # one sample; three, in three micro-batches
+        torch.testing.assert_close(pipe(batch), model(batch), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="batch of 3 samples cannot be split into 4"):
+        pipe.train().step(x, x)  # a step's micro-batches are its schedule's
 
 
 def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptureFixture) -> None:

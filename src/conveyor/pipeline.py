@@ -32,7 +32,7 @@ from conveyor.parallel import (
 )
 from conveyor.parallel.data_parallel import local
 from conveyor.parallel.tensor_parallel import check_plan
-from conveyor.program import Kind
+from conveyor.program import Kind, Program
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
@@ -144,7 +144,8 @@ class Pipeline:
             self.topology,
             config.num_microbatches,
         )
-        self._inference = build_program(forward_only, self.topology, config.num_microbatches)
+        self._inference: dict[int, Program] = {}
+        """Forward-only Programs by number of micro-batches (fewer for a smaller batch)."""
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
         self._unset = Unset()
         """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
@@ -373,7 +374,7 @@ class Pipeline:
         self._check_usable()
         step_inputs = self._inputs(inputs, None, False)
         with torch.no_grad(), self._abandoning("a forward"):
-            state = self._runtime.run(self._inference[self.rank], step_inputs)
+            state = self._runtime.run(self._forward_program(step_inputs)[self.rank], step_inputs)
         if self.data_parallel is not None:
             self.data_parallel.reshard()
         if not state.model_outputs:
@@ -382,6 +383,12 @@ class Pipeline:
         return microbatch.merge(outputs, step_inputs.loss_weights)
 
     __call__ = forward
+
+    def _forward_program(self, step: StepInputs) -> Program:
+        m = len(step.microbatches)
+        if m not in self._inference:
+            self._inference[m] = build_program(forward_only, self.topology, m)
+        return self._inference[m]
 
     def compile(self, **options: Any) -> Pipeline:
         """Compile this rank's stages with ``torch.compile(**options)``, in place.
@@ -507,6 +514,8 @@ class Pipeline:
         m = self.config.num_microbatches
         bound = bind_inputs(self.graph, inputs)
         size = microbatch.batch_size(bound)
+        if not is_training and size:  # inference: a batch smaller than m runs as it is
+            m = min(m, size)
         chunks = microbatch.split(bound, m, size)
         split_targets = None if targets is None else microbatch.split(targets, m, size)
         if is_training and self.loss_fn is None and bound.get(LABELS) is None:
