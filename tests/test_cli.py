@@ -12,7 +12,7 @@ import pytest
 
 from conveyor.cli import main
 from conveyor.cli.launch import failure_summary
-from conveyor.runtime.peers import Failure
+from conveyor.runtime.peers import Failure, read_failure
 from conveyor.trace import load_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,6 +127,13 @@ def test_the_run_summary_names_the_rank_the_ranks_reported() -> None:
         "rank 0 abandoned step 3 after an error of its own: ValueError: bad"
     )
     assert failure_summary(exited, 0, how, None) == f"{exited} failed first: {how}"
+
+
+def test_the_summary_reads_the_last_attempts_record_only(tmp_path: Path) -> None:
+    failure = Failure(rank=0, lost=1, doing="receiving 0RB0<1", cause="Connection closed")
+    (tmp_path / "attempt-0.json").write_text(failure.to_json())
+    assert read_failure(tmp_path, 0) == failure
+    assert read_failure(tmp_path, 1) is None  # the restart failed before any rank recorded
 
 
 @pytest.mark.dist

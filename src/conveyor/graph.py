@@ -58,8 +58,8 @@ class StageGraph:
     """A batch as ``model_inputs`` by name, as the split's tracer laid them out (see
     ``conveyor.split.bind_inputs``); None: by position or name, every one given."""
     training: bool | None = field(default=None, compare=False)
-    """The mode (``model.training``) the stages compute the model in, if the split traced
-    code that reads ``self.training``; None: either mode."""
+    """The only mode (``model.training``) the stages compute the model right in (the split's
+    ``Traced.training``); None: either mode."""
 
     def __post_init__(self) -> None:
         produced: dict[str, int] = {}

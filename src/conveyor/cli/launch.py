@@ -129,7 +129,8 @@ def torchrun(arguments: list[str]) -> int:
         )
         exited = f"rank {rank} (local rank {failure.local_rank})"
         how = f"exit code {failure.exitcode} ({cause})"
-        logger.error("%s; %s", failure_summary(exited, rank, how, read_failure(failures)), restarts)
+        recorded = read_failure(failures, launch.max_restarts)  # the last attempt's
+        logger.error("%s; %s", failure_summary(exited, rank, how, recorded), restarts)
         return 1
     except Exception as error:
         logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)

@@ -205,10 +205,11 @@ def read_record(scope: str) -> Failure | None:
     return Failure.from_json(text) if text else None
 
 
-def read_failure(directory: str | os.PathLike[str]) -> Failure | None:
-    """The first failure of the last torchrun attempt written under ``directory``, or None."""
-    attempts = sorted(Path(directory).glob("attempt-*.json"), key=lambda p: int(p.stem[8:]))
-    return Failure.from_json(attempts[-1].read_text()) if attempts else None
+def read_failure(directory: str | os.PathLike[str], attempt: int) -> Failure | None:
+    """The first failure written under ``directory`` by torchrun attempt ``attempt`` (0 first,
+    then one per restart), or None: an earlier attempt's record would name another failure."""
+    path = Path(directory, f"attempt-{attempt}.json")
+    return Failure.from_json(path.read_text()) if path.is_file() else None
 
 
 def _write_first(failure: Failure) -> None:

@@ -49,8 +49,8 @@ class Traced:
     """How the graph's flat output becomes the model's output (export); None: as returned."""
     method: Literal["fx", "export"]
     training: bool | None = None
-    """The mode (``model.training``) the graph holds for: its forward reads ``self.training``
-    in traced code. None: it holds in both modes (or was not checked)."""
+    """The only mode (``model.training``) the graph holds for: fx traced code that reads
+    ``self.training``, or an export in eval mode lost what training needs. None: both."""
 
 
 def trace(
