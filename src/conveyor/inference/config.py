@@ -104,8 +104,6 @@ def model_defaults(own: Any) -> GenerationConfig:
     """GenerationConfig with the stop and pad tokens of a model's own generation settings
     (a Hugging Face ``generation_config``, or None): the tokens its own generate would use."""
     stops = getattr(own, "eos_token_id", None)
-    stops = () if stops is None else (stops,) if isinstance(stops, int) else tuple(stops)
+    config = GenerationConfig(eos_token_id=() if stops is None else stops)  # validates, tuples
     pad = getattr(own, "pad_token_id", None)
-    return GenerationConfig(
-        eos_token_id=stops, pad_token_id=pad if pad is not None else (stops or (0,))[0]
-    )
+    return config.replace(pad_token_id=pad if pad is not None else (config.stop_tokens or (0,))[0])
