@@ -20,7 +20,6 @@ measured between the two ranks
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics
@@ -396,7 +395,9 @@ def render_paper(
         "positions and extrapolated linearly in tokens and query-key pairs; collectives are rings "
         "(2(P - 1) steps of latency + 1/P of the bytes); ring-attention transfers overlap the "
         "attention; no position-table or memory limits; 16 decode tokens; prefill of the "
-        "pipeline in 4P chunks. Figure: [parallelism.png](parallelism.png) (prompt of 131072).",
+        "pipeline in 4P chunks. A dash: the strategy cannot use that many devices "
+        f"({PAPER_LAYERS} blocks, {costs.num_heads} heads). Figure: [parallelism.png]"
+        "(parallelism.png) (prompt of 131072).",
         "",
         "| prompt | devices | TTFT pipeline / tensor / context (s) | decode tokens/s pipeline "
         "/ tensor / context | same, fast link: TTFT (s) | decode tokens/s | KV cache per device "
@@ -416,10 +417,13 @@ def render_paper(
                 f"{_triple(fast_row, 'time_to_first_token', '{:.3g}')} | "
                 f"{_triple(fast_row, 'decode_tokens_per_s', '{:.3g}')} | "
                 f"{known.kv_bytes_per_device / 2**30:.3g} | "
-                f"{row[0].weight_bytes_per_device / 2**30 if row[0] else math.nan:.3g} / "
-                f"{row[2].weight_bytes_per_device / 2**30 if row[2] else math.nan:.3g} |"
+                f"{_weights(row[0])} / {_weights(row[2])} |"
             )
     return "\n".join(lines)
+
+
+def _weights(estimate: Estimate | None) -> str:
+    return "-" if estimate is None else f"{estimate.weight_bytes_per_device / 2**30:.3g}"
 
 
 def _triple(row: list[Estimate | None], field: str, form: str) -> str:
