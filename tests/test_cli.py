@@ -80,6 +80,10 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
         (["simulate", "--balance", "1", "1", "--chrome", "x"], "--balance, --chrome only work"),
         (["simulate", "--groups", "3"], "--groups only works with --decode"),
         (["simulate", "--decode", "--profile", "p.json"], "Drop one of them"),
+        (
+            ["simulate", "--decode", "--schedule", "gpipe", "--microbatches", "4"],
+            "--schedule, --microbatches describe a training schedule, but --decode",
+        ),
         (["generate", "--prompt-ids", "1,2,x"], "expected token ids separated by commas"),
     ],
 )

@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import conveyor
+from conveyor.inference import generate
+from conveyor.models import gpt
 from conveyor.runtime.loss import IGNORE_INDEX
 from dist import run_ranks
 
@@ -131,6 +133,19 @@ def _equivalence(rank: int, world_size: int) -> None:
         _sum_over_steps_with_a_weight_without_gradient(fsdp, torch.float64)
     _sum_over_steps_with_a_weight_without_gradient(True, torch.float32)  # no PREMUL_SUM: gloo
     _a_stage_without_any_gradient()
+    _generate_over_sharded_replicas()
+
+
+def _generate_over_sharded_replicas() -> None:
+    """Decoding reads parameters outside the modules' forward: FSDP's shards are gathered for
+    it, and sharded again after."""
+    torch.manual_seed(4)
+    model = gpt(vocab_size=32, seq_len=16, dim=16, num_layers=2, num_heads=2).double()
+    ids = torch.randint(0, 32, (3, 4))
+    expected = generate(copy.deepcopy(model), ids, max_new_tokens=5)
+    pipe = conveyor.Pipeline(model, dp=2, fsdp=True, num_microbatches=2, timeout_s=15)
+    assert torch.equal(pipe.generate(ids, max_new_tokens=5), expected)
+    assert all(isinstance(p, DTensor) for p in pipe.parameters())
 
 
 def _token_mean_over_replicas(fsdp: bool) -> None:

@@ -214,6 +214,20 @@ def test_a_stopped_sequence_pads_and_generation_ends_when_all_have_stopped() -> 
     assert sampler(second).tolist() == [1, 7] and sampler.done
 
 
+def test_a_stop_token_given_pads_a_model_without_a_pad_token_as_hugging_face_does() -> None:
+    model = llama(layers=2)
+    model.generation_config.pad_token_id = None
+    ids, mask = prompts(2, seed=5)
+    greedy = generate(model, ids, attention_mask=mask, max_new_tokens=8)
+    stop = int(greedy[0, ids.shape[1] + 1])  # row 0 stops at its second new token
+    assert stop not in greedy[1, ids.shape[1] :].tolist()[:2], "pick prompts where row 1 goes on"
+    want = model.generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=stop
+    )
+    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=stop)
+    assert torch.equal(tokens, want) and (tokens[0, ids.shape[1] + 2 :] == stop).all()
+
+
 def test_bad_input_fails_before_any_message() -> None:
     from transformers import LlamaModel
 
@@ -236,8 +250,26 @@ def test_bad_input_fails_before_any_message() -> None:
         GenerationConfig(temperature=0.0)
     with pytest.raises(ValueError, match=r"pad_token_id must be a token id .* got None"):
         generate(model, ids, pad_token_id=None)
-    with pytest.raises(ValueError, match=r"eos_token_id must be token ids .* got \(1, 'x'\)"):
+    with pytest.raises(ValueError, match=r"eos_token_id must be a token id .* got \(1, 'x'\)"):
         generate(model, ids, eos_token_id=[1, "x"])
+    with pytest.raises(ValueError, match=r"eos_token_id must be a token id .* got 2\.0"):
+        generate(model, ids, eos_token_id=2.0)
+    for name, value in [("max_new_tokens", 2.0), ("do_sample", "no"), ("num_groups", True)]:
+        with pytest.raises(TypeError, match=f"{name} must be an? .*, got {value!r}"):
+            generate(model, ids, **{name: value})
+    assert GenerationConfig(eos_token_id=torch.tensor([3, 4])).stop_tokens == (3, 4)
+    for bad in [ids.float(), ids.bool(), [ids[0].float()]]:
+        with pytest.raises(TypeError, match="token ids must be an integer tensor"):
+            generate(model, bad)
+    with pytest.raises(ValueError, match=r"at least one prompt, got shape \(0, 4\)"):
+        generate(model, ids[:0, :4])
+    for token, shown in [(VOCAB, VOCAB), (-1, -1)]:
+        outside = ids[:, :4].clone()
+        outside[1, 2] = token
+        with pytest.raises(ValueError, match=f"hold token {shown}, outside the model's vocab"):
+            generate(model, outside)
+    with pytest.raises(ValueError, match=f"pad_token_id={VOCAB} is outside"):
+        generate(model, ids[:, :4], eos_token_id=5, pad_token_id=VOCAB)
     with pytest.raises(ValueError, match="top_p must be in"):
         generate(model, ids, top_p=1.5)
     with pytest.raises(TypeError, match=r"unknown generation settings \['max_tokens'\]"):
@@ -299,12 +331,18 @@ def _two_ranks(rank: int, world_size: int) -> None:
     greedy = pipe.generate(ragged, max_new_tokens=steps)
     eos = tuple(set(greedy[:, width + 2].tolist()))  # every row stops by its third token
     stopped = pipe.generate(ragged, max_new_tokens=steps, eos_token_id=eos, dst=1)
-    want = gpt_reference(model, ids, mask, steps, eos_token_id=eos)
+    padded = ids.masked_fill(mask == 0, eos[0])  # no pad token: the first stop token pads
+    want = gpt_reference(model, padded, mask, steps, eos_token_id=eos, pad_token_id=eos[0])
     if rank == 1:  # dst: the only rank that gets the tokens
         assert stopped is not None and width < stopped.shape[1] <= width + 3
         assert torch.equal(stopped, want[:, : stopped.shape[1]])
     else:
         assert stopped is None
+    elsewhere = pipe.generate(ragged, max_new_tokens=steps, eos_token_id=eos, dst=0)
+    assert (elsewhere is None) == (rank == 1)
+    if rank == 1:  # the last stage's rank counts the tokens it sampled, and times them
+        assert stopped is not None and pipe.decoder.stats is not None
+        assert pipe.decoder.stats.new_tokens == stopped.shape[1] - width
 
 
 @pytest.mark.dist

@@ -120,6 +120,21 @@ def test_recorder_moves_compute_past_its_waits_and_gives_bytes_to_their_action()
         Recorder(0).timeline(1)
 
 
+def test_recorder_finds_a_step_by_its_index_or_back_from_the_last() -> None:
+    recorder = Recorder(rank=0, keep=2)
+    for step in range(3):
+        recorder.begin_step(step)
+        recorder.add("0F0", float(step), step + 0.5)
+        recorder.end_step()
+    offset = recorder.clock_offset
+    assert recorder.timeline(1, step=1).events[0].start == pytest.approx(1.0 + offset)
+    assert recorder.timeline(1, step=-2).events[0].start == pytest.approx(1.0 + offset)
+    assert recorder.timeline(1).events[0].start == pytest.approx(2.0 + offset)
+    for missing in (0, 3, -3):
+        with pytest.raises(ValueError, match=f"step {missing} is not kept; .* steps 1 to 2"):
+            recorder.timeline(1, step=missing)
+
+
 def _write_run(
     directory: Path, ranks: dict[int, dict[int, list[list[object]]]], num_ranks: int = 2
 ) -> None:

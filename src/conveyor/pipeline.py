@@ -436,7 +436,10 @@ class Pipeline:
 
             tokens = pipe.generate(input_ids, max_new_tokens=32)   # on every rank
         """
-        return self.decoder.generate(input_ids, config, **options)
+        if self.data_parallel is None:
+            return self.decoder.generate(input_ids, config, **options)
+        with self.data_parallel.gathered():  # every replica generates the same tokens
+            return self.decoder.generate(input_ids, config, **options)
 
     @property
     def decoder(self) -> DecodePipeline:
@@ -457,7 +460,8 @@ class Pipeline:
     # -- timelines -------------------------------------------------------------------------
 
     def timeline(self, step: int = -1) -> Timeline:
-        """Every rank's events of one recorded training step (default: the last one).
+        """Every rank's events of one recorded training step: ``step`` is its index (0: the
+        first step), or counts back from the last (-1, the default).
 
         Collective: call it on every rank of the group; each gets the whole Timeline. Needs
         ``trace=True`` (or ``trace_dir``). Times are seconds from the step's first event.

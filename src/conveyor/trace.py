@@ -399,13 +399,8 @@ class Recorder:
         return {"rank": self.rank, "host": self.host, "clock_offset": self.clock_offset}
 
     def timeline(self, num_ranks: int, step: int = -1) -> Timeline:
-        """This rank's events of one kept step (default: the last), times in wall-clock seconds."""
-        if not self.steps:
-            raise RuntimeError(
-                f"rank {self.rank}: no step recorded yet; run a step with "
-                "tracing on first (Pipeline(..., trace=True))"
-            )
-        _, events = self.steps[step]
+        """This rank's events of one kept step, times in wall-clock seconds: ``step`` is a
+        step's index (0: the first), or counts back from the last kept step (-1)."""
         moved = [
             Event(
                 e.rank,
@@ -415,9 +410,27 @@ class Recorder:
                 e.bytes,
                 e.memory,
             )
-            for e in events
+            for e in self._kept(step)
         ]
         return Timeline(num_ranks, moved)
+
+    def _kept(self, step: int) -> list[Event]:
+        if not self.steps:
+            raise RuntimeError(
+                f"rank {self.rank}: no step recorded yet; run a step with "
+                "tracing on first (Pipeline(..., trace=True))"
+            )
+        found = [events for index, events in self.steps if index == step]
+        if step < 0 and -step <= len(self.steps):
+            found = [self.steps[step][1]]
+        if not found:
+            first, last = self.steps[0][0], self.steps[-1][0]
+            raise ValueError(
+                f"rank {self.rank}: step {step} is not kept; the recorder keeps steps {first} to "
+                f"{last} (the last {self.keep}): pass one of them, or -1 to -{len(self.steps)} "
+                "counting back from the last"
+            )
+        return found[0]
 
 
 def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Timeline:

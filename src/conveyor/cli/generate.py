@@ -221,7 +221,7 @@ def run(job: GenerateJob, options: dict[str, Any]) -> torch.Tensor | None:
     model, tokenizer = load_model(job)
     prompts = _prompts(job, tokenizer)
     decoder = DecodePipeline(model, balance=job.balance, trace=job.trace is not None)
-    config = decoder.defaults.replace(**options)
+    config = decoder.settings(**options)
     tokens = decoder.generate(prompts, config)
     assert tokens is not None and decoder.stats is not None
     width = max(p.numel() for p in prompts)

@@ -159,6 +159,9 @@ _NEEDS = {
 }
 """Flags of ``conveyor simulate`` that only mean something with another flag."""
 
+_TRAINING_ONLY = ("schedule", "microbatches", "virtual_stages", "placement")
+"""Flags of ``conveyor simulate`` that describe a training schedule, which --decode ignores."""
+
 
 def _check_simulate_flags(args: argparse.Namespace) -> None:
     """Refuse flags that the chosen kind of simulation would ignore."""
@@ -169,11 +172,24 @@ def _check_simulate_flags(args: argparse.Namespace) -> None:
         )
     chosen = {"--profile": args.profile is not None, "--decode": args.decode}
     for needed, names in _NEEDS.items():
-        given = [n for n in names if getattr(args, n) != args.simulate_parser.get_default(n)]
+        given = _given(args, names)
         if given and not chosen[needed]:
-            flags = ", ".join("--" + n.replace("_", "-") for n in given)
             verb = "works" if len(given) == 1 else "work"
+            flags = ", ".join(given)
             raise ValueError(f"simulate: {flags} only {verb} with {needed}; add it or drop them")
+    given = _given(args, _TRAINING_ONLY)
+    if given and args.decode:
+        raise ValueError(
+            f"simulate: {', '.join(given)} describe a training schedule, but --decode simulates "
+            "a decode Program (its flags: --stages, --groups, --new-tokens, --prompt-chunks); "
+            "drop them"
+        )
+
+
+def _given(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The flags among ``names`` set to other than their defaults, as typed ('--new-tokens')."""
+    parser = args.simulate_parser
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) != parser.get_default(n)]
 
 
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

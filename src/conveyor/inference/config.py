@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 __all__ = ["GenerationConfig", "model_defaults"]
 
@@ -57,12 +60,9 @@ class GenerationConfig:
     """Rank (in the pipeline's group) that gets the tokens; default: every rank."""
 
     def __post_init__(self) -> None:
-        stops = self.eos_token_id
-        stops = (stops,) if isinstance(stops, int) else tuple(stops or ())
-        if not all(isinstance(t, int) and t >= 0 for t in stops):
-            raise ValueError(f"eos_token_id must be token ids (ints >= 0), got {stops!r}")
-        object.__setattr__(self, "eos_token_id", stops)
-        if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
+        object.__setattr__(self, "eos_token_id", _token_ids(self.eos_token_id))
+        self._check_types()
+        if not _is_int(self.pad_token_id) or self.pad_token_id < 0:
             raise ValueError(
                 f"pad_token_id must be a token id (an int >= 0), got {self.pad_token_id!r}; for "
                 "a tokenizer without a pad token, pass its eos_token_id, as Hugging Face does"
@@ -82,6 +82,12 @@ class GenerationConfig:
         if self.dst is not None and self.dst < 0:
             raise ValueError(f"dst must be a rank >= 0, got {self.dst}")
 
+    def _check_types(self) -> None:
+        for name, (kind, check) in _TYPES.items():
+            value = getattr(self, name)
+            if not check(value):
+                raise TypeError(f"{name} must be {kind}, got {value!r}")
+
     @property
     def stop_tokens(self) -> tuple[int, ...]:
         """``eos_token_id`` as the tuple it is once validated."""
@@ -100,10 +106,57 @@ class GenerationConfig:
         return dataclasses.replace(self, **changes)
 
 
-def model_defaults(own: Any) -> GenerationConfig:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _or_none(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "max_new_tokens": ("an int", _is_int),
+    "do_sample": ("a bool", lambda value: isinstance(value, bool)),
+    "temperature": ("a number", _is_number),
+    "top_k": ("an int or None", _or_none(_is_int)),
+    "top_p": ("a number or None", _or_none(_is_number)),
+    "seed": ("an int", _is_int),
+    "num_groups": ("an int or None", _or_none(_is_int)),
+    "prefill_chunk": ("an int or None", _or_none(_is_int)),
+    "memory_budget": ("an int (bytes) or None", _or_none(_is_int)),
+    "dst": ("an int (a rank) or None", _or_none(_is_int)),
+}
+"""What the fields of GenerationConfig must hold, checked before their values."""
+
+
+def _token_ids(stops: Any) -> tuple[int, ...]:
+    """``eos_token_id`` as a tuple: one id, a sequence of ids or a tensor of them."""
+    if isinstance(stops, torch.Tensor):
+        stops = stops.tolist()
+    if stops is None:
+        stops = ()
+    elif _is_int(stops):
+        stops = (stops,)
+    elif isinstance(stops, list | tuple):
+        stops = tuple(stops)
+    if not isinstance(stops, tuple) or not all(_is_int(t) and t >= 0 for t in stops):
+        raise ValueError(
+            f"eos_token_id must be a token id or a sequence of them (ints >= 0), got {stops!r}"
+        )
+    return stops
+
+
+def model_defaults(own: Any, **options: Any) -> GenerationConfig:
     """GenerationConfig with the stop and pad tokens of a model's own generation settings
-    (a Hugging Face ``generation_config``, or None): the tokens its own generate would use."""
-    stops = getattr(own, "eos_token_id", None)
+    (a Hugging Face ``generation_config``, or None) changed by ``options`` (GenerationConfig
+    fields): the tokens its own generate would use. A model without a pad token pads with
+    the first stop token, the one given in ``options`` if any, as Hugging Face's does."""
+    stops = options.get("eos_token_id", getattr(own, "eos_token_id", None))
     config = GenerationConfig(eos_token_id=() if stops is None else stops)  # validates, tuples
     pad = getattr(own, "pad_token_id", None)
-    return config.replace(pad_token_id=pad if pad is not None else (config.stop_tokens or (0,))[0])
+    pad = pad if pad is not None else (config.stop_tokens or (0,))[0]
+    return config.replace(**{"pad_token_id": pad, **options})

@@ -53,7 +53,8 @@ class GenerationStats:
     holds the last stage (None elsewhere)."""
     num_sequences: int
     new_tokens: int
-    """New tokens per sequence (fewer than max_new_tokens if every sequence stopped)."""
+    """New tokens per sequence (fewer than max_new_tokens if every sequence stopped), as the
+    last stage's rank and the ranks that get the tokens count them; max_new_tokens on others."""
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -207,7 +208,7 @@ class DecodePipeline:
                 budget, or malformed prompts or settings.
         """
         start = time.perf_counter()
-        config = (config or self.defaults).replace(**options)
+        config = self.settings(config, **options)
         ids, mask = prepare_prompts(input_ids, attention_mask, config.pad_token_id)
         self._check(ids, config)
         batch = self._batch(ids, mask, config)
@@ -221,8 +222,9 @@ class DecodePipeline:
         self.num_generations += 1
         new = self._share(tokens, batch, config.dst)
         length = config.max_new_tokens
-        if new is not None:
-            length = generated_length(new, config.stop_tokens)
+        if tokens or new is not None:  # the last stage's rank, or one that got the tokens
+            mine = new if new is not None else _stacked(tokens)
+            length = generated_length(mine, config.stop_tokens)
         first = self._runtime.first_token
         self.stats = GenerationStats(
             time.perf_counter() - start,
@@ -236,7 +238,15 @@ class DecodePipeline:
     def defaults(self) -> GenerationConfig:
         """The settings ``generate`` starts from when given no config: the model's own stop
         and pad tokens (a Hugging Face model's ``generation_config``), as its generate uses."""
-        return model_defaults(self.lm.generation_config)
+        return self.settings()
+
+    def settings(self, config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:
+        """What ``generate(config, **options)`` runs with: ``config`` (default: the model's own
+        stop and pad tokens) changed by ``options``. Without a config, a stop token given in
+        ``options`` also pads for a model without a pad token, as in Hugging Face's generate."""
+        if config is None:
+            return model_defaults(self.lm.generation_config, **options)
+        return config.replace(**options)
 
     def program(self, num_groups: int, prompt_length: int, config: GenerationConfig) -> Program:
         """The decode Program of ``num_groups`` groups and prompts of ``prompt_length`` tokens."""
@@ -276,10 +286,29 @@ class DecodePipeline:
                 f"{length + config.max_new_tokens} positions but the model's context is "
                 f"{context}; generate at most {context - length} new tokens or shorten the prompts"
             )
+        self._check_tokens(ids, config)
         if config.dst is not None and config.dst >= self.num_ranks:
             raise ValueError(f"dst={config.dst} is not a rank of the {self.num_ranks}-rank group")
         if config.memory_budget is not None:
             self._check_budget(ids.shape[0], length + config.max_new_tokens, config.memory_budget)
+
+    def _check_tokens(self, ids: torch.Tensor, config: GenerationConfig) -> None:
+        """Refuse ids the embedding has no row for: in the prompts (padding included), and the
+        pad token once a stop token can end a sequence (its pad then feeds the model)."""
+        vocab = self.lm.vocab_size
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"input_ids hold token {low if low < 0 else high}, outside the model's "
+                f"vocabulary of {vocab} (ids 0 to {vocab - 1}); check the tokenizer, and "
+                "pad_token_id if the prompts were padded"
+            )
+        if config.pad_token_id >= vocab and any(t < vocab for t in config.stop_tokens):
+            raise ValueError(
+                f"pad_token_id={config.pad_token_id} is outside the model's vocabulary of "
+                f"{vocab}, and it feeds the model after a stop token; pass a pad_token_id "
+                "below the vocabulary size (e.g. the first stop token)"
+            )
 
     def _check_budget(self, batch_size: int, positions: int, budget: int) -> None:
         for rank, need in enumerate(self.cache_bytes(batch_size, positions)):
@@ -314,7 +343,7 @@ class DecodePipeline:
         to ``dst``)."""
         sink = self.graph.rank_of(self.graph.sink)
         if tokens:
-            new = torch.cat([torch.stack(tokens[g], dim=1) for g in range(len(batch.groups))])
+            new = _stacked(tokens)
         else:
             shape = (batch.input_ids.shape[0], batch.config.max_new_tokens)
             new = torch.empty(shape, dtype=torch.long, device=self.device)
@@ -361,7 +390,8 @@ class DecodePipeline:
     # -- timelines -------------------------------------------------------------------------
 
     def timeline(self, generation: int = -1) -> Timeline:
-        """Every rank's events of one traced generate call (default: the last).
+        """Every rank's events of one traced generate call: ``generation`` is its index (0:
+        the first call), or counts back from the last (-1, the default).
 
         Collective over the group; needs ``trace=True``.
         """
@@ -428,6 +458,11 @@ def _stage_units(lm: CausalLM, balance: Sequence[int]) -> dict[int, range]:
     return {
         s: range(start, start + b) for s, (start, b) in enumerate(zip(starts, balance, strict=True))
     }
+
+
+def _stacked(tokens: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+    """(batch, new tokens): each group's sampled tokens side by side, the groups in order."""
+    return torch.cat([torch.stack(tokens[g], dim=1) for g in sorted(tokens)])
 
 
 def _group_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

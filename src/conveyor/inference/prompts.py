@@ -25,7 +25,8 @@ def prepare_prompts(
     real without one), or a list of 1-D tensors of any lengths, left-padded here.
 
     Raises:
-        ValueError: a prompt is empty, the mask's shape differs, or padding is not on the left.
+        ValueError: no prompt, an empty one, a mask of another shape, or padding that is not
+            on the left.
         TypeError: the prompts are not integer tensors.
     """
     if not isinstance(prompts, torch.Tensor):
@@ -35,11 +36,15 @@ def prepare_prompts(
                 "pass attention_mask with a (batch, length) tensor of prompts only; a list of "
                 "prompts is padded here, which makes its mask"
             )
-        if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+        if not prompts or any(
+            not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0 for p in prompts
+        ):
             raise ValueError(
                 "prompts must be a non-empty list of non-empty 1-D tensors of token ids, or a "
                 "(batch, length) tensor"
             )
+        for p in prompts:
+            _check_ids_dtype(p)
         width = max(p.numel() for p in prompts)
         ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.bool)
@@ -47,10 +52,11 @@ def prepare_prompts(
             ids[row, width - prompt.numel() :] = prompt
             mask[row, width - prompt.numel() :] = True
         prompts, attention_mask = ids, mask
-    if prompts.dtype.is_floating_point or prompts.dtype.is_complex or prompts.dim() != 2:
-        raise TypeError(
-            f"input_ids must be a (batch, length) tensor of integer token ids, got "
-            f"{prompts.dtype} of shape {tuple(prompts.shape)}"
+    _check_ids_dtype(prompts)
+    if prompts.dim() != 2 or prompts.shape[0] == 0:
+        raise ValueError(
+            f"input_ids must be a (batch, length) tensor of token ids with at least one "
+            f"prompt, got shape {tuple(prompts.shape)}"
         )
     mask = (
         torch.ones(prompts.shape, dtype=torch.bool)
@@ -59,6 +65,14 @@ def prepare_prompts(
     )
     _check_mask(prompts, mask)
     return prompts.to(torch.long).cpu(), mask
+
+
+def _check_ids_dtype(ids: torch.Tensor) -> None:
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(
+            f"token ids must be an integer tensor, got {ids.dtype}; convert with .long() if "
+            "the values are whole token ids"
+        )
 
 
 def _check_mask(ids: torch.Tensor, mask: torch.Tensor) -> None:

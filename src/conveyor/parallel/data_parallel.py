@@ -243,6 +243,18 @@ class DataParallel:
         for fsdp in self._fsdp.values():
             fsdp.reshard()
 
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every stage's parameters whole for the body, then sharded again: for code that uses
+        the modules' parameters outside their forward (decoding with a KV cache), where
+        FSDP's hooks do not gather them."""
+        for fsdp in self._fsdp.values():
+            fsdp.unshard()
+        try:
+            yield
+        finally:
+            self.reshard()
+
 
 _PEER_WORDS = ("connection", "closed", "timed out", "timeout", "reset", "broken pipe", "peer")
 """Words of gloo's and NCCL's errors for a peer that left or went silent."""
