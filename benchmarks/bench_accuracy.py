@@ -12,7 +12,7 @@ timed from the first rank's start to the last rank's end on the shared monotonic
 measured step time is the median, with activation accounting off (the default); the peak
 activation memory is the runtime meter's (``Pipeline.memory()``), in untimed steps of a
 metered pipeline of the same configuration. Predictions come from
-``conveyor.simulate.predict`` with the averaged profile, fitted to the traced 1F1B steps of
+``conveyor.planner.cost.predict`` with the averaged profile, fitted to the traced 1F1B steps of
 the same rounds.
 """
 
@@ -285,10 +285,10 @@ def _fitted(
     model: Model, profile: Profile, configs: list[Any], num_steps: int
 ) -> tuple[Profile, list[tuple[str, int, int]]]:
     """The profile fitted to the traced timed steps of FIT_SCHEDULE at each micro-batch count
-    (the first also fits the runtime's call costs), as ``conveyor.calibrate.fit_to_run`` does
-    for the planner; steps from the same interleaved rounds as every other configuration, so
-    that a slower or faster spell of the machine cannot separate the fit from the
-    measurements."""
+    (the first also fits the runtime's call costs), as
+    ``conveyor.planner.calibrate.fit_to_run`` does for the planner; steps from the same
+    interleaved rounds as every other configuration, so that a slower or faster spell of the
+    machine cannot separate the fit from the measurements."""
     fitted, used = profile, []
     for index, count in enumerate(MICROBATCHES):
         name, units, placement, m, pipe = next(
@@ -433,14 +433,15 @@ def _markdown(
             f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
             "(other work may have been running). Each model is profiled on both ranks at once and "
             "the two profiles averaged; runtime overheads and the link are measured on the same "
-            "two ranks. The profile is then fitted (`conveyor.calibrate.fit`) to the traced "
-            "steps of 1F1B at each micro-batch count (marked; `conveyor plan` fits to 1F1B too), "
-            "taken from the same interleaved rounds as every measurement, and predicts every "
-            "other configuration; the unfitted profile's predictions are shown too. Each "
-            "configuration runs interleaved with the others, every step after a barrier, timed "
-            "from the first rank's start to the last rank's end (median of all rounds), with "
-            "activation accounting off, as pipelines run by default; peak activation memory is "
-            "the runtime meter's, in untimed steps of a metered pipeline of each configuration.",
+            "two ranks. The profile is then fitted (`conveyor.planner.calibrate.fit`) to the "
+            "traced steps of 1F1B at each micro-batch count (marked; `conveyor plan` fits to "
+            "1F1B too), taken from the same interleaved rounds as every measurement, and "
+            "predicts every other configuration; the unfitted profile's predictions are shown "
+            "too. Each configuration runs interleaved with the others, every step after a "
+            "barrier, timed from the first rank's start to the last rank's end (median of all "
+            "rounds), with activation accounting off, as pipelines run by default; peak "
+            "activation memory is the runtime meter's, in untimed steps of a metered pipeline of "
+            "each configuration.",
             "",
             f"**Step time: mean absolute percentage error {statistics.mean(time_errors):.1%}, "
             f"{within} of {len(time_errors)} configurations within 10% (worst "

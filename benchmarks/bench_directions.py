@@ -81,7 +81,7 @@ def _compare(
 ) -> dict[str, Any]:
     """Median step times and stalled calls per step of one configuration, both transports."""
     split = _pipeline(model, workload, name, units, placement, m, trace=True)
-    with mock.patch("conveyor.comm._directions", lambda group, timeout: (None, None)):
+    with mock.patch("conveyor.runtime.comm._directions", lambda group, timeout: (None, None)):
         shared = _pipeline(model, workload, name, units, placement, m, trace=True)
     times = step_times([split, shared], inputs, targets, rounds, steps)
     stalls = [_stalled(pipe, rounds * steps) for pipe in (split, shared)]

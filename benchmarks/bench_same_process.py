@@ -10,7 +10,7 @@ compare the runtimes, not the systems out of the box. What it measures well is m
 processes (one thread each) build every pipeline once, then time them in alternating blocks of
 steps, so machine noise hits all alike; medians are reported. One more, untimed step per
 pipeline measures peak activation memory per rank: the bytes of tensors autograd saved for
-backward and had not released yet (conveyor.memory.LiveSavedTensors, the same instrument for
+backward and had not released yet (conveyor.runtime.memory.LiveSavedTensors, the same instrument for
 both), and conveyor's (stage, micro-batch) sets against the schedule's theory. Results go to the
 `schedules-same-process` section of docs/benchmarks.md.
 """
@@ -261,9 +261,9 @@ def header(args: argparse.Namespace, counts: list[int]) -> str:
         "(loop placement) and zb-v (V placement). Step time: median over "
         f"{args.repeats} alternating blocks of {args.steps} steps, the slowest rank's. "
         "Peak saved: most bytes of tensors autograd had saved for backward and not yet "
-        "released, per rank, measured the same way for both (conveyor.memory."
+        "released, per rank, measured the same way for both (conveyor.runtime.memory."
         "LiveSavedTensors). Sets: conveyor's measured peak of (stage, micro-batch) activation "
-        "sets alive, against the schedule's theory (conveyor.memory.alive_peak of its "
+        "sets alive, against the schedule's theory (conveyor.runtime.memory.alive_peak of its "
         "program).",
         "",
         f"Command: `python benchmarks/bench_same_process.py` on {platform.machine()}, "

@@ -96,6 +96,18 @@ def test_bad_input_exits_2_with_a_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_a_config_file_with_an_unknown_field_is_refused(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text("num_microbatch = 8\n")  # a typo of num_microbatches
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "sets unknown fields ['num_microbatch']" in capsys.readouterr().err
+
+
 @pytest.mark.dist
 def test_demo_trains(capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--steps", "4", "--log-every", "2", "--dim", "32"]) == 0

@@ -141,6 +141,8 @@ def test_a_plan_of_an_sequentials_own_layers_is_a_balance() -> None:
     fields = report.pipeline_config()
     assert fields["balance"] == list(report.best.balance) and "split_points" not in fields
     assert (fields["schedule"], fields["num_microbatches"]) == ("1f1b", 2)
+    # what the prediction assumed, "never" included, so it overrides a script's checkpoint
+    assert fields["stage_checkpoint"] == list(report.best.checkpoint)
 
 
 def _factory() -> tuple[nn.Module, object, object]:

@@ -21,6 +21,7 @@ from conveyor.schedule import (
     interleaved_1f1b,
     layout_of,
     one_f_one_b,
+    schedule_name,
     validate,
     zb_h1,
     zb_v,
@@ -275,6 +276,20 @@ def test_layouts() -> None:
     assert layout_of("interleaved-1f1b") == Layout(2, "loop")
     assert layout_of("1f1b") == Layout() == layout_of("my_schedule.txt")
     assert set(LAYOUTS) <= set(SCHEDULES)
+
+
+def test_a_schedule_function_is_named_in_configs_and_logs() -> None:
+    """A shipped function by its name, so it gets its layout; any other by where it lives."""
+    assert schedule_name(zb_v) == "zb-v" and layout_of(schedule_name(zb_v)) == Layout(2, "v")
+    assert schedule_name(interleaved_1f1b) == "interleaved-1f1b"
+    assert schedule_name("mine.txt") == "mine.txt"
+
+    def mine(graph: StageGraph, num_microbatches: int) -> Program:
+        return one_f_one_b(graph, num_microbatches)
+
+    assert schedule_name(mine).endswith(
+        ".test_a_schedule_function_is_named_in_configs_and_logs.<locals>.mine"
+    )
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,14 @@ from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import Tie, TiedWeights, find_ties
-from conveyor.schedule import LAYOUTS, Schedule, build_program, forward_only, stage_placement
+from conveyor.schedule import (
+    LAYOUTS,
+    Schedule,
+    build_program,
+    forward_only,
+    schedule_name,
+    stage_placement,
+)
 from conveyor.simulator import simulate
 from conveyor.split import (
     balance_to_split_points,
@@ -102,8 +109,8 @@ class Pipeline:
                 "-n N script.py` (or torchrun) and call "
                 "torch.distributed.init_process_group() before Pipeline(...)"
             )
-        if isinstance(schedule, str):
-            options["schedule"] = schedule
+        if schedule is not None:
+            options["schedule"] = schedule_name(schedule)
         config = self.config = resolve(config, plan=plan, options=options)
         if config.keep_host_memory:
             keep_freed_memory()
@@ -139,10 +146,9 @@ class Pipeline:
                 f"{len(config.stage_checkpoint)} modes for {self.graph.num_stages} "
                 "stages; give one mode per stage"
             )
+        own = callable(schedule) and config.schedule == schedule_name(schedule)  # not a plan's
         self.program = build_program(
-            schedule if callable(schedule) else config.schedule,
-            self.topology,
-            config.num_microbatches,
+            schedule if own else config.schedule, self.topology, config.num_microbatches
         )
         self._inference: dict[int, Program] = {}
         """Forward-only Programs by number of micro-batches (fewer for a smaller batch)."""

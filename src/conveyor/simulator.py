@@ -1,7 +1,7 @@
 """Execute a Program on paper: a cost model and the runtime's blocking rules give a Timeline.
 
     timeline = simulate(build_program("1f1b", chain(4), 8), chain(4))   # unit costs
-    print(render_grid(timeline), timeline.bubble_fraction)
+    print(conveyor.trace.render_grid(timeline), timeline.bubble_fraction)
 
 ``simulate`` runs any Program (any schedule, chain or DAG) on any cost model: ``UnitCost``
 charges whole units of time (schedules are drawn and validated with it), and

@@ -2,7 +2,7 @@
 
     pipe = conveyor.Pipeline(model, trace=True, ...); pipe.step(x, y)
     timeline = pipe.timeline()          # collective: every rank's events of the last step
-    print(timeline.summary()); write_png(timeline, "step.png"); write_chrome(timeline, "step.json")
+    print(timeline.summary()); write_png("step.png", timeline); write_chrome("step.json", timeline)
 
 A measured Timeline comes from a ``Recorder`` hooked into the runtime; a predicted one from
 ``conveyor.simulator``. Both hold the same events, so one renderer draws both, side by side.
@@ -331,7 +331,7 @@ class Recorder:
     Times are ``time.perf_counter()`` readings; ``clock_offset`` turns them into wall-clock
     seconds, so ranks on other hosts line up (to the hosts' clock agreement; ranks on one host
     share the monotonic clock and line up exactly). The runtime calls ``add`` after every
-    action, and ``conveyor.comm.P2P`` calls ``wait`` and ``sent`` from inside transfers.
+    action, and ``conveyor.runtime.comm.P2P`` calls ``wait`` and ``sent`` from inside transfers.
     """
 
     def __init__(self, rank: int, keep: int = 64) -> None:

@@ -60,9 +60,22 @@ def given_fields(cls: type, args: argparse.Namespace, values: Mapping[str, Any])
     return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path, *classes: type) -> dict[str, Any]:
+    """A TOML file's values, each a field of one of the dataclasses ``classes``.
+
+    Raises:
+        ValueError: a key names no field (a typo would otherwise be dropped silently).
+    """
     with path.open("rb") as file:
-        return tomllib.load(file)
+        values = tomllib.load(file)
+    known = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"{path} sets unknown fields {unknown}; expected fields of "
+            f"{', '.join(cls.__name__ for cls in classes)}: {sorted(known)}"
+        )
+    return values
 
 
 def _flag_type(hint: Any) -> tuple[type, str | None, list[str] | None]:

@@ -110,7 +110,9 @@ def add_generate_command(commands: Any) -> None:
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    values = read_toml(args.config) if args.config else {}
+    values = read_toml(args.config, GenerateJob, GenerationConfig) if args.config else {}
+    if "dst" in values:
+        raise ValueError(f"{args.config} sets dst; conveyor generate gives every rank the tokens")
     job = build_dataclass(GenerateJob, args, values)
     options = given_fields(GenerationConfig, args, values)
     GenerationConfig(**options)  # bad settings fail here, before any rank starts

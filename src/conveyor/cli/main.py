@@ -145,7 +145,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    values = read_toml(args.config) if args.config else {}
+    values = read_toml(args.config, DemoConfig, PipelineConfig) if args.config else {}
     demo = build_dataclass(DemoConfig, args, values)
     pipeline = build_dataclass(PipelineConfig, args, values)
     return torchrun(

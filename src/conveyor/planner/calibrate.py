@@ -236,7 +236,7 @@ def profile_local(
     microbatch_counts: Sequence[int],
     timeout_s: float = 900.0,
 ) -> Profile:
-    """A fitted profile of the workload ``spec`` (see ``conveyor.plan.load_workload``), made
+    """A fitted profile of the workload ``spec`` (see ``conveyor.planner.load_workload``), made
     on two ranks started here, as ``conveyor plan`` uses it.
 
     Both ranks profile the model at once (each core as busy as in a run) and the two are

@@ -153,7 +153,7 @@ class Replicas:
 class ProfileCost:
     """Costs of one split of a profiled model: per-stage sums of its units' measured costs,
     the runtime's per-action overheads, transfers over the measured link, and activation
-    memory as ``conveyor.memory.ActivationMeter`` counts it.
+    memory as ``conveyor.runtime.memory.ActivationMeter`` counts it.
 
     Args:
         stage_units: unit indices of each stage of ``graph`` (see ``layout``).

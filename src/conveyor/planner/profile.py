@@ -1,7 +1,7 @@
 """Profile a model on the device it runs on: per-layer (or graph node) costs, runtime overheads
 and the link between ranks, saved as plain JSON for the simulator and the planner.
 
-    workload = conveyor.plan.example("gpt")
+    workload = conveyor.planner.example("gpt")
     profile = profile_model(workload, microbatch_sizes=[4, 8])      # one process, no peers
     profile.save("gpt.profile.json"); Profile.load("gpt.profile.json")
 
@@ -9,7 +9,7 @@ A *unit* is one node of the model traced with torch.fx, where nested ``nn.Sequen
 containers are traced through and every other submodule is one node: for an
 ``nn.Sequential`` the units are its layers. Times are medians of repeated runs, in seconds,
 measured the way a Pipeline runs by default (no activation accounting); bytes follow
-``conveyor.memory.ActivationMeter``'s accounting (storages, parameters excluded).
+``conveyor.runtime.memory.ActivationMeter``'s accounting (storages, parameters excluded).
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ class UnitStats:
     message_bytes: int = 0
     """Bytes of its output tensors as a message carries them (views count whole)."""
     weight_grad_bytes: int = 0
-    """Gradients a split backward keeps from I until W (``conveyor.backward.WeightGrad``)."""
+    """Gradients a split backward keeps from I until W
+    (``conveyor.runtime.backward.WeightGrad``)."""
 
     def scaled(self, other: UnitStats, weight: float) -> UnitStats:
         """Linear interpolation towards ``other`` (weight 0: self, 1: other), floored at 0."""
@@ -179,7 +180,7 @@ class Profile:
     """Bytes per sample of each model input (forward's parameters, in order)."""
     overheads: Overheads = field(default_factory=Overheads)
     link: Link | None = None
-    """None until measured between two ranks (``conveyor.calibrate.measure_link``);
+    """None until measured between two ranks (``conveyor.planner.calibrate.measure_link``);
     transfers are then free."""
     optimizer_state_per_param: float = 2.0
     """Optimizer state bytes per trainable parameter byte (AdamW keeps two moments: 2)."""

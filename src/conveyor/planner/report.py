@@ -115,8 +115,7 @@ class PlanReport:
             ]
         if list(chosen.placement) != list(range(len(chosen.placement))):
             fields["placement"] = list(chosen.placement)
-        if any(mode != "never" for mode in chosen.checkpoint):
-            fields["stage_checkpoint"] = list(chosen.checkpoint)
+        fields["stage_checkpoint"] = list(chosen.checkpoint)  # "never" too: it was predicted
         if self.replicas is not None and self.replicas.count > 1:
             fields["dp"] = self.replicas.count
             fields["fsdp"] = self.replicas.fsdp

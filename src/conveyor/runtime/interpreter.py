@@ -327,7 +327,7 @@ class Runtime:
     def _backward_input(self, action: Action) -> None:
         """I: the input gradients, for the producers; the weight gradient waits for W.
 
-        See Note [split backward] in conveyor.backward.
+        See Note [split backward] in conveyor.runtime.backward.
         """
         s, k = action.stage, action.microbatch
         roots, grads = self._roots(s, k)

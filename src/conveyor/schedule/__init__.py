@@ -10,7 +10,7 @@ produce are ``conveyor.program``'s.
 """
 
 from conveyor.program import Action, Kind, Program
-from conveyor.schedule.build import SCHEDULES, build_program, from_text
+from conveyor.schedule.build import SCHEDULES, build_program, from_text, schedule_name
 from conveyor.schedule.chain import forward_only, gpipe, one_f_one_b
 from conveyor.schedule.dag import graph_1f1b, graph_gpipe, list_schedule
 from conveyor.schedule.interleaved import interleaved_1f1b
@@ -37,6 +37,7 @@ __all__ = [
     "layout_of",
     "list_schedule",
     "one_f_one_b",
+    "schedule_name",
     "stage_placement",
     "validate",
     "zb_h1",

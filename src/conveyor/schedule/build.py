@@ -17,7 +17,7 @@ from conveyor.schedule.layout import Schedule
 from conveyor.schedule.validate import validate
 from conveyor.schedule.zero_bubble import zb_h1, zb_v
 
-__all__ = ["SCHEDULES", "build_program", "from_text"]
+__all__ = ["SCHEDULES", "build_program", "from_text", "schedule_name"]
 
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe,
@@ -29,6 +29,18 @@ SCHEDULES: dict[str, Schedule] = {
     "graph-1f1b": graph_1f1b,
 }
 """Schedules by name, as ``Pipeline(schedule=...)`` and the CLI accept them."""
+
+
+def schedule_name(schedule: str | Schedule) -> str:
+    """What a schedule is called in configs, logs, traces and checkpoints: a name or file as
+    given, a shipped function by its name (``zb_v`` is "zb-v", with its layout), any other
+    function by its qualified name."""
+    if isinstance(schedule, str):
+        return schedule
+    known = [name for name, function in SCHEDULES.items() if function is schedule]
+    if known:
+        return known[0]
+    return f"{schedule.__module__}.{getattr(schedule, '__qualname__', type(schedule).__name__)}"
 
 
 def from_text(text: str, graph: StageGraph, num_microbatches: int | None = None) -> Program:

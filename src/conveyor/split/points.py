@@ -85,7 +85,7 @@ def split_model(
     Each stage is an ``fx.GraphModule`` holding the model's own parameters under their original
     qualified names, so ``stage.named_parameters()`` keys match ``model.state_dict()``. Works
     on models on the meta device: nothing is computed or copied. Stash/pop layers of an
-    nn.Sequential are checked with ``conveyor.skip.verify_skips`` and become direct edges.
+    nn.Sequential are checked with ``conveyor.verify_skips`` and become direct edges.
     Models torch.fx cannot trace are split through torch.export on ``example_inputs``
     (``tracer``: see conveyor.split.frontend).
     """

@@ -214,7 +214,7 @@ def pop(name: str) -> Any:
         raise RuntimeError(
             f"{_describe(scope.layer)} pops {outside!r}, but no earlier layer "
             "stashed it in this forward; check the layer order with "
-            "conveyor.skip.verify_skips(model)"
+            "conveyor.verify_skips(model)"
         )
     return store.pop(outside)
 
@@ -239,7 +239,7 @@ def verify_skips(model: nn.Sequential) -> None:
                 problems.append(
                     f"layers {pending[name]} and {label} both stash {name!r} before it is "
                     "popped; give one of them a name of its own with "
-                    "conveyor.skip.rename(layer, <declared name>='<new name>')"
+                    "conveyor.split.skip.rename(layer, <declared name>='<new name>')"
                 )
             pending[name] = label
     problems += [
@@ -280,7 +280,7 @@ def _scope_for(name: str, what: str) -> _Scope:
     if scope is None:
         raise RuntimeError(
             f"{what}({name!r}) called outside the forward of a @skippable layer; "
-            f"decorate the layer class with @conveyor.skip.skippable({what}="
+            f"decorate the layer class with @conveyor.skippable({what}="
             f"[{name!r}])"
         )
     declared = _declared(scope.layer)

@@ -82,7 +82,7 @@ class _Tracer(fx.Tracer):
                 raise SkipError(
                     f"layers {self.skip_owner[name]} and {label} both stash "
                     f"{name!r} before it is popped; rename one with "
-                    "conveyor.skip.rename"
+                    "conveyor.split.skip.rename"
                 )
             self.skips[name] = stashed[name]  # type: ignore[index]  # a dict or a Proxy
             self.skip_owner[name] = label
