@@ -146,10 +146,9 @@ class Pipeline:
                 f"{len(config.stage_checkpoint)} modes for {self.graph.num_stages} "
                 "stages; give one mode per stage"
             )
-        own = callable(schedule) and config.schedule == schedule_name(schedule)  # not a plan's
-        self.program = build_program(
-            schedule if own else config.schedule, self.topology, config.num_microbatches
-        )
+        if not (callable(schedule) and config.schedule == schedule_name(schedule)):
+            schedule = config.schedule  # a name, or a plan's schedule over the script's function
+        self.program = build_program(schedule, self.topology, config.num_microbatches)
         self._inference: dict[int, Program] = {}
         """Forward-only Programs by number of micro-batches (fewer for a smaller batch)."""
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
