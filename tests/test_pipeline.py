@@ -241,7 +241,7 @@ def _shape_change(rank: int, world_size: int) -> None:
     pipe = conveyor.Pipeline(model, balance=[2, 1], num_microbatches=2, timeout_s=5)
     x = torch.randn(4, 4, dtype=torch.float64)
     if rank == 0:
-        with pytest.raises(RuntimeError, match="changed shape for the same input shapes"):
+        with pytest.raises(RuntimeError, match="changed shape, dtype or gradient requirement"):
             pipe.forward(x)
     else:
         with pytest.raises(PeerLostError, match="lost rank 0"):
@@ -250,6 +250,28 @@ def _shape_change(rank: int, world_size: int) -> None:
 
 def test_changed_shape_fails_clearly_and_the_peer_does_not_hang(tmp_path: Path) -> None:
     run_ranks(_shape_change, tmp_path, 2, timeout_s=60)
+
+
+def _freezing(rank: int, world_size: int) -> None:
+    """A stage frozen, then unfrozen, between steps: its activations stop and start carrying
+    gradients, which the ranks learn before the step (Note [batch fingerprint])."""
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    for schedule in ("1f1b", "zb-h1"):
+        plain = tiny(depth=4)
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain), num_microbatches=2, schedule=schedule, loss_fn=F.mse_loss,
+            timeout_s=15,
+        )  # fmt: skip
+        for step, frozen in enumerate([False, True, True, False]):
+            for name, parameter in [*plain.named_parameters(), *pipe.named_parameters()]:
+                parameter.grad = None
+                if int(name.split(".")[0]) < 4:  # stage 0's layers
+                    parameter.requires_grad_(not frozen)
+            check_step(pipe, plain, x, y, F.mse_loss, atol=1e-12, step=step)
+
+
+def test_a_stage_frozen_and_unfrozen_between_steps_trains_as_plain(tmp_path: Path) -> None:
+    run_ranks(_freezing, tmp_path, 2, timeout_s=90)
 
 
 def _autocast(rank: int, world_size: int) -> None:

@@ -542,8 +542,9 @@ class Pipeline:
             else:
                 weights = data.loss_weights(kind, counts)
         where = f"rank {self.rank} (stages {list(self.stages)})"
+        frozen = [i for i, p in enumerate(self.parameters()) if not p.requires_grad]
         mine = fingerprint(
-            bound, targets, is_training, self.device, size, self._unset.problem(where)
+            bound, targets, is_training, self.device, size, self._unset.problem(where), frozen
         )
         return StepInputs(
             chunks,

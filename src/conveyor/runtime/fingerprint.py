@@ -48,18 +48,21 @@ class CannotRunError(RuntimeError, StepRefused):
 
 
 # Note [batch fingerprint]:
-# At the start of every step (and every inference call) each rank sends a fingerprint of its
-# batch to every other rank and compares what it receives with its own, before any activation
-# moves: a difference fails every rank at once with the same message, and a batch size that
-# differs never reaches a receive of the wrong size. The fingerprint is six int64s: the batch
-# size, digests of the structure (shapes, dtypes, constants), of the inputs' values, of the
-# targets' values, of the mode (step or forward, autocast), and a flag for a rank that cannot
-# run (its stages hold parameters nothing initialized). Values are digested exactly: each
-# tensor's bytes as 64-bit integers, summed (wrapping) plainly and weighted by position along
-# the batch and across a sample. Integer sums do not depend on the order of reduction, so equal
-# batches give equal digests on any rank and device, and a batch reordered or shifted gives
-# another. One exchange costs each rank p - 1 small messages each way, and the sums about one
-# read of the batch (measured in docs/benchmarks.md, batch check).
+# At the start of every step (and every inference call) each rank sends a fingerprint of its batch
+# to every other rank and compares what it receives with its own, before any activation moves: a
+# difference fails every rank at once with the same message, and a batch size that differs never
+# reaches a receive of the wrong size. The fingerprint is seven int64s: the batch size, digests of
+# the structure (shapes, dtypes, constants), of the inputs' values, of the targets' values, of the
+# mode (step or forward, autocast), a flag for a rank that cannot run (its stages hold parameters
+# nothing initialized), and a digest of which of the rank's parameters require gradients. That last
+# one is not compared but kept: it decides which activations carry gradients, so a stage frozen or
+# unfrozen between steps makes the senders exchange their layouts again (the interpreter keys each
+# channel's layout by it). Values are digested exactly: each tensor's bytes as 64-bit integers,
+# summed (wrapping) plainly and weighted by position along the batch and across a sample. Integer
+# sums do not depend on the order of reduction, so equal batches give equal digests on any rank and
+# device, and a batch reordered or shifted gives another. One exchange costs each rank p - 1 small
+# messages each way, and the sums about one read of the batch (measured in docs/benchmarks.md, batch
+# check).
 @dataclass(frozen=True)
 class Fingerprint:
     """What every rank must agree on before a step: its batch and how the step runs."""
@@ -75,6 +78,9 @@ class Fingerprint:
     """Digest of step or forward and the autocast state."""
     not_ready: int = 0
     """1 if this rank cannot run the step; ``problem`` says why."""
+    trainable: int = field(default=0, compare=False)
+    """Digest of which of this rank's parameters require gradients: not compared (ranks hold
+    other stages) but shared, since it decides which activations carry gradients."""
     problem: str = field(default="", compare=False)
     """Why this rank cannot run (local: peers learn only ``not_ready``)."""
 
@@ -83,11 +89,10 @@ class Fingerprint:
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> Fingerprint:
-        batch_size, layout, inputs, targets, mode, not_ready = map(int, tensor.tolist())
-        return cls(batch_size, layout, inputs, targets, mode, not_ready)
+        return cls(*map(int, tensor.tolist()))
 
 
-_SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready")
+_SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready", "trainable")
 
 
 def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -106,9 +111,11 @@ def fingerprint(
     device: torch.device,
     batch_size: int | None,
     problem: str = "",
+    trainable: Any = (),
 ) -> Fingerprint:
     """The fingerprint of one step's batch (``inputs`` bound to forward's parameters);
-    ``problem`` says why this rank cannot run the step, if it cannot.
+    ``problem`` says why this rank cannot run the step, if it cannot; ``trainable`` is what
+    of this rank's model requires gradients (digested).
 
     Raises:
         ValueError: a tensor of the batch is on the meta device (it holds no values).
@@ -123,12 +130,14 @@ def fingerprint(
         0 if targets is None else _digest(_values(targets)),
         _digest([is_training, autocast_state(device)]),
         1 if problem else 0,
+        _digest(trainable),
         problem,
     )
 
 
-def agree(p2p: P2P, mine: Fingerprint, describe: str) -> None:
+def agree(p2p: P2P, mine: Fingerprint, describe: str) -> tuple[int, ...]:
     """Exchange fingerprints with every other rank of ``p2p``'s group; raise if any differs.
+    Returns every rank's ``trainable`` digest, by rank: the same on every rank.
 
     Collective: every rank calls it with its own fingerprint before the step's first message.
 
@@ -155,6 +164,8 @@ def agree(p2p: P2P, mine: Fingerprint, describe: str) -> None:
             )
         if other != mine:
             raise BatchMismatchError(_difference(p2p.rank, peer, mine, other, describe))
+    theirs[p2p.rank] = mine
+    return tuple(theirs[rank].trainable for rank in sorted(theirs))
 
 
 def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, what: str) -> str:

@@ -118,7 +118,12 @@ class Runtime:
         before it runs: data parallelism arms DDP's reducer then (conveyor.parallel)."""
         self._last_backward: set[tuple[int, int]] = set()
         """(stage, micro-batch) of each stage's last B in the step being run."""
-        self._meta: dict[tuple[int, int, str, bool], Meta | Receive] = {}
+        self._meta: dict[_Channel, Meta | Receive] = {}
+        """What each channel carries per micro-batch signature, step kind and trainable state:
+        the sender sends it in a header with the first message of each key, the receiver
+        reads it there, so shapes and which tensors carry gradients cross once per key."""
+        self._trainable: tuple[int, ...] = ()
+        """Every rank's digest of which of its parameters require gradients, this step."""
         self.compile_timeout: timedelta | None = None
         """Longest wait for a peer in a step that compiles stages (Pipeline.compile)."""
         self._compiled: set[tuple[str, bool]] = set()
@@ -126,7 +131,7 @@ class Runtime:
         self._input_grads = InputGradients(graph, rank, p2p)
         """See Note [input gradients]."""
 
-        self._grad_meta: dict[tuple[int, int, str, bool], Meta] = {}
+        self._grad_meta: dict[_Channel, Meta] = {}
         """Per channel and signature (as ``_meta``): the gradients that come back for what was
         sent, worked out once rather than per message."""
         self._handlers: dict[Kind, Callable[[Action], None]] = {
@@ -154,7 +159,7 @@ class Runtime:
             if step.fingerprint is not None:
                 what = f"step {step.step_index}" if step.is_training else "a forward() call"
                 with self._as_one_wait("batch check" if self.graph.num_ranks > 1 else None):
-                    agree(self.p2p, step.fingerprint, what)
+                    self._trainable = agree(self.p2p, step.fingerprint, what)
             for index, action in enumerate(actions):
                 logger.debug("[rank %d] %s", self.rank, action)
                 if recorder is None:
@@ -415,15 +420,16 @@ class Runtime:
             "rng": (rng.cpu,) if rng.device is None else (rng.cpu, rng.device),
         }
         meta = Meta.of(message)
-        key = (s, d, self._step.signatures[k], self._step.is_training)
+        key = self._channel(s, d, k)
         known = self._meta.get(key)
         assert not isinstance(known, Receive), "a sender's cache holds only what it sent"
         if known is not None and known != meta:
             raise RuntimeError(
                 f"rank {self.rank} (stage {s}): the values sent to stage {d} for micro-batch {k} "
-                f"changed shape for the same input shapes ({_shapes(known)} before, "
-                f"{_shapes(meta)} now); conveyor exchanges shapes once per input shape, so "
-                "a stage's output shapes must depend only on its input shapes"
+                f"changed shape, dtype or gradient requirement for the same input shapes "
+                f"({_shapes(known)} before, {_shapes(meta)} now); conveyor exchanges shapes once "
+                "per input shape, so a stage's output shapes must depend only on its input "
+                "shapes (and which parameters require gradients)"
             )
         self._meta[key] = meta
         grads = self._grad_meta.get(key)
@@ -437,7 +443,7 @@ class Runtime:
     def _recv_forward(self, action: Action) -> None:
         s, k, u = action.stage, action.microbatch, action.peer
         assert u is not None
-        key = (u, s, self._step.signatures[k], self._step.is_training)
+        key = self._channel(u, s, k)
         known = self._meta.get(key)
         if isinstance(known, Receive) and known.meta is not None:
             known = self._meta[key] = known.meta
@@ -447,6 +453,10 @@ class Runtime:
             receive = self.p2p.post(self.graph.rank_of(u), None, str(action), same_as=known)
             self._meta.setdefault(key, receive)
         self._state.receives[action] = receive
+
+    def _channel(self, sender: int, receiver: int, k: int) -> _Channel:
+        step = self._step
+        return sender, receiver, step.signatures[k], step.is_training, self._trainable
 
     def _send_backward(self, action: Action) -> None:
         s, k, u = action.stage, action.microbatch, action.peer
@@ -462,6 +472,11 @@ class Runtime:
         assert d is not None
         meta = self._state.sent_meta.pop((s, d, k))
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(d), meta, str(action))
+
+
+_Channel = tuple[int, int, str, bool, tuple[int, ...]]
+"""(sending stage, receiving stage, micro-batch signature, training, every rank's trainable
+digest): messages of one key have one layout."""
 
 
 class _Recorded:
