@@ -89,7 +89,7 @@ class Fingerprint:
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> Fingerprint:
-        return cls(*map(int, tensor.tolist()))
+        return cls(**dict(zip(_SENT, map(int, tensor.tolist()), strict=True)))
 
 
 _SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready", "trainable")
