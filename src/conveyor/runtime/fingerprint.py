@@ -89,7 +89,8 @@ class Fingerprint:
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> Fingerprint:
-        return cls(**dict(zip(_SENT, map(int, tensor.tolist()), strict=True)))
+        batch_size, layout, inputs, targets, mode, not_ready, trainable = map(int, tensor.tolist())
+        return cls(batch_size, layout, inputs, targets, mode, not_ready, trainable)
 
 
 _SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready", "trainable")
