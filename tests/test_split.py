@@ -261,6 +261,34 @@ def test_an_input_the_trace_dropped_or_needs_is_refused_before_any_work() -> Non
     torch.testing.assert_close(run_stages(graph, bind_inputs(graph, x)), model(x))
 
 
+class LengthBranch(nn.Module):
+    """Branches on the sequence length, which torch.fx cannot trace and export fixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        y = self.a(x) * mask[..., None]
+        if x.shape[1] > 8:
+            y = y * 0.5
+        return self.b(y)
+
+
+def test_an_exported_split_refuses_sizes_its_graph_does_not_hold_for() -> None:
+    x, mask = torch.randn(2, 12, 4), torch.ones(2, 12)
+    model = LengthBranch()
+    graph = split_model(model, ["b"], example_inputs=(x, mask), tracer="export")
+    ten = (x[:, :10], mask[:, :10])
+    torch.testing.assert_close(run_stages(graph, bind_inputs(graph, ten)), model(*ten))
+    with pytest.raises(ValueError, match=r"dimension 1 has size 5 .* sizes 9 and up only"):
+        bind_inputs(graph, (x[:, :5], mask[:, :5]))
+    with pytest.raises(ValueError, match=r"'mask' dimension 1 has size 11 .* only runs size 12"):
+        bind_inputs(graph, (x, mask[:, :11]))
+    one = (x[:1], mask[:1])  # export assumes sizes from 2, which binds no batch
+    torch.testing.assert_close(run_stages(graph, bind_inputs(graph, one)), model(*one))
+
+
 ONE_RANK = {"schedule": "interleaved-1f1b", "num_microbatches": 1}
 """Both stages on this process's one rank."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,9 +45,8 @@ class ExportedInputs:
     repeat them, or leave out those conveyor added (``added``)."""
     added: Mapping[str, Any]
     """Inputs conveyor passed itself (``use_cache=False``), filled in when a batch omits them."""
-    fixed: Mapping[str, Mapping[int, int]]
-    """Sizes the export could not leave dynamic (e.g. an image's channels), by input and
-    dimension."""
+    sizes: Mapping[str, Mapping[int, SizeRule]]
+    """What the export assumed of each input dimension, by input and dimension."""
     model_name: str
 
     def bind(self, batch: Any) -> dict[str, Any]:
@@ -73,14 +73,70 @@ class ExportedInputs:
                 )
         for name, example in self.tensors.items():
             _check_tensor(name, given[name], example, self.model_name)
-            for dim, size in self.fixed[name].items():
-                if given[name].shape[dim] != size:
-                    raise ValueError(
-                        f"{self.model_name} input {name!r} has size {given[name].shape[dim]} "
-                        f"in dimension {dim}, but the exported model only runs size {size} "
-                        f"there (shape {tuple(given[name].shape)}); pass inputs of that size"
-                    )
+        self._check_sizes(given)
         return {name: given[name] for name in self.tensors}
+
+    def _check_sizes(self, given: Mapping[str, Any]) -> None:
+        """Refuse sizes the exported graph does not hold for: a size export fixed, a size
+        outside the range a branch of the traced code assumed (``if ids.shape[1] > 8``), or
+        dimensions export found equal that differ."""
+        seen: dict[Any, tuple[int, str]] = {}  # a symbol's size, and where it was read
+        batch = {rules[0].size for rules in self.sizes.values() if 0 in rules}
+        for name, rules in self.sizes.items():
+            shape = tuple(given[name].shape)
+            for dim, rule in rules.items():
+                actual, here = shape[dim], f"{name!r} dimension {dim}"
+                wanted = rule.expected(seen)
+                problem = ""
+                if wanted is not None and actual != wanted:
+                    first = "" if isinstance(rule.size, int) else f" (as {seen_at(rule, seen)})"
+                    problem = f"only runs size {wanted} there{first}"
+                elif rule.size not in batch and not rule.holds_for(actual):
+                    problem = (
+                        f"was traced at the example's size, where the model's code takes a "
+                        f"branch that holds for sizes {rule.range()} only; split with "
+                        "example_inputs of the sizes you run"
+                    )
+                if problem:
+                    raise ValueError(
+                        f"{self.model_name} input {here} has size {actual} (shape {shape}), "
+                        f"but the exported model {problem}"
+                    )
+                if getattr(rule.size, "is_Symbol", False):
+                    seen.setdefault(rule.size, (actual, here))
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """What export assumed of one input dimension: a size it fixed (an int), or a symbolic
+    size (every dimension export found equal shares the symbol) and the sizes the traced code
+    holds for."""
+
+    size: Any
+    """An int, or a sympy expression of the inputs' size symbols."""
+    low: int = 0
+    high: int | None = None
+
+    def expected(self, seen: Mapping[Any, tuple[int, str]]) -> int | None:
+        """The size this dimension must have given the sizes already read, if it is known."""
+        if isinstance(self.size, int):
+            return self.size
+        if not set(self.size.free_symbols) <= set(seen):
+            return None
+        return int(self.size.subs({symbol: seen[symbol][0] for symbol in self.size.free_symbols}))
+
+    def holds_for(self, size: int) -> bool:
+        # export assumes dynamic sizes of at least 2 (it specializes 0 and 1) and the graph
+        # runs smaller ones: only a higher bound comes from the model's own code
+        return (self.low <= 2 or size >= self.low) and (self.high is None or size <= self.high)
+
+    def range(self) -> str:
+        return f"{self.low} and up" if self.high is None else f"{self.low} to {self.high}"
+
+
+def seen_at(rule: SizeRule, seen: Mapping[Any, tuple[int, str]]) -> str:
+    """Where the sizes a symbolic rule depends on were read: 'of 'ids' dimension 1'."""
+    return "the size of " + ", ".join(seen[s][1] for s in sorted(rule.size.free_symbols, key=str))
 
 
 def export_model(
@@ -118,7 +174,7 @@ def export_model(
     module.meta[HOLDS_FOR] = _bind_training_flags(module, model.training)
     module.recompile()
     inputs = ExportedInputs(
-        signature, tensors, constants, added, _fixed_sizes(module), type(model).__name__
+        signature, tensors, constants, added, _size_rules(module, exported), type(model).__name__
     )
     return module, inputs, exported.call_spec.out_spec
 
@@ -204,16 +260,28 @@ def _add_if_training(training: bool, tensor: torch.Tensor, other: Any) -> torch.
     return tensor.add_(other) if training else tensor
 
 
-def _fixed_sizes(module: fx.GraphModule) -> dict[str, dict[int, int]]:
-    """Per placeholder, the dimensions the export specialized to one size."""
-    fixed: dict[str, dict[int, int]] = {}
+def _size_rules(
+    module: fx.GraphModule, exported: torch.export.ExportedProgram
+) -> dict[str, dict[int, SizeRule]]:
+    """Per placeholder and dimension, what export assumed of its size."""
+    rules: dict[str, dict[int, SizeRule]] = {}
     for node in module.graph.nodes:
         value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor):
-            fixed[str(node.target)] = {
-                d: int(size) for d, size in enumerate(value.shape) if isinstance(size, int)
-            }
-    return fixed
+        if node.op != "placeholder" or not isinstance(value, torch.Tensor):
+            continue
+        rules[str(node.target)] = {}
+        for dim, size in enumerate(value.shape):
+            if not isinstance(size, torch.SymInt):
+                rules[str(node.target)][dim] = SizeRule(int(size))
+                continue
+            expr = size.node.expr
+            bounds = exported.range_constraints.get(expr)
+            if bounds is None:
+                rules[str(node.target)][dim] = SizeRule(expr)
+                continue
+            high = None if math.isinf(float(bounds.upper)) else int(bounds.upper)
+            rules[str(node.target)][dim] = SizeRule(expr, int(bounds.lower), high)
+    return rules
 
 
 def _name_by_user(module: fx.GraphModule, model: nn.Module) -> None:
