@@ -362,8 +362,20 @@ def _batch_norm(rank: int, world_size: int) -> None:
                             msg=f"{schedule} {name}.{key}",
                         )
 
+    for schedule, checkpoint in (("zb-h1", "always"), ("gpipe", "except_last")):
+        # plain BatchNorm moves its statistics once per micro-batch, recomputed or not
+        plain = batch_norm_model()
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain), balance=[3, 3], schedule=schedule, num_microbatches=m,
+            checkpoint=checkpoint, loss_fn=F.mse_loss,
+        )  # fmt: skip
+        check_step(pipe, plain, x, y, f"batch norm, {schedule}, {checkpoint}:")
+        expected = plain.state_dict()
+        for key, value in pipe.state_dict().items():
+            torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-12, msg=key)
 
-def test_deferred_batch_norm(tmp_path: Path) -> None:
+
+def test_batch_norm_statistics_move_as_in_plain_training(tmp_path: Path) -> None:
     run_ranks(_batch_norm, tmp_path, world_size=2, timeout_s=120)
 
 

@@ -13,30 +13,50 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-__all__ = ["DeferredBatchNorm", "recompute_context"]
+__all__ = ["DeferredBatchNorm", "recompute_context", "running_stats"]
 
 
 _recomputing: ContextVar[bool] = ContextVar("conveyor_recomputing", default=False)
 
 
-class _Recomputing:
-    """Marks the body as a recomputation; reusable, as a checkpoint may recompute twice (for
-    a split backward's I and W)."""
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+"""Names of the buffers a batch norm updates in a training forward."""
 
-    def __init__(self) -> None:
+
+def running_stats(module: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of every batch norm in ``module`` (of its modules, or of an
+    exported graph's batch norm operations: the buffers keep their names)."""
+    return [b for name, b in module.named_buffers() if name.rsplit(".", 1)[-1] in _RUNNING]
+
+
+class _Recomputing:
+    """Marks the body as a recomputation, and puts ``stats`` back as they were before it: a
+    forward run again must not move batch norms' running statistics a second time. Reusable,
+    as a checkpoint may recompute twice (for a split backward's I and W)."""
+
+    def __init__(self, stats: list[torch.Tensor]) -> None:
+        self._stats = stats
         self._tokens: list[Token[bool]] = []
+        self._saved: list[list[torch.Tensor]] = []
 
     def __enter__(self) -> None:
         self._tokens.append(_recomputing.set(True))
+        self._saved.append([t.clone() for t in self._stats])
 
     def __exit__(self, *exc: object) -> None:
         _recomputing.reset(self._tokens.pop())
+        with torch.no_grad():
+            for tensor, before in zip(self._stats, self._saved.pop(), strict=True):
+                tensor.copy_(before)
 
 
-def recompute_context() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+def recompute_context(
+    stats: list[torch.Tensor] | None = None,
+) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """``context_fn`` for ``torch.utils.checkpoint``: the recomputation in backward runs
-    marked, so DeferredBatchNorm does not count a micro-batch twice."""
-    return nullcontext(), _Recomputing()
+    marked, so DeferredBatchNorm does not count a micro-batch twice, and leaves the running
+    statistics ``stats`` (``running_stats`` of the stage) as the first forward left them."""
+    return nullcontext(), _Recomputing(stats or [])
 
 
 # Note [deferred batch norm]:

@@ -17,7 +17,7 @@ from conveyor.graph import MODEL_OUTPUT, StageGraph
 from conveyor.parallel.data_parallel import local
 from conveyor.program import Action, Kind, last_weight_actions
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
-from conveyor.runtime.batchnorm import recompute_context
+from conveyor.runtime.batchnorm import recompute_context, running_stats
 from conveyor.runtime.comm import P2P, Meta, Receive
 from conveyor.runtime.fingerprint import Fingerprint, agree
 from conveyor.runtime.inplace import copying_inputs
@@ -122,6 +122,8 @@ class Runtime:
         """What each channel carries per micro-batch signature, step kind and trainable state:
         the sender sends it in a header with the first message of each key, the receiver
         reads it there, so shapes and which tensors carry gradients cross once per key."""
+        self._running_stats: dict[int, list[torch.Tensor]] = {}
+        """Each recomputing stage's batch norm running statistics (recompute_context)."""
         self._trainable: tuple[int, ...] = ()
         """Every rank's digest of which of its parameters require gradients, this step."""
         self.compile_timeout: timedelta | None = None
@@ -228,7 +230,7 @@ class Runtime:
                     self._calls[s],
                     *args,
                     use_reentrant=False,
-                    context_fn=self._recompute_context(str(action)),
+                    context_fn=self._recompute_context(s, str(action)),
                 )
             else:
                 out = self._calls[s](*args)
@@ -291,16 +293,17 @@ class Runtime:
         cpu, *device = received[parent]["rng"]
         return RngState(cpu.cpu(), device[0] if device else None)
 
-    def _recompute_context(self, forward: str) -> _ContextFn:
-        """``context_fn`` of ``forward``'s checkpoint: marks the recomputation for
-        DeferredBatchNorm and, when tracing, records it as its own event."""
-        recorder = self.recorder
-        if recorder is None:
-            return recompute_context
+    def _recompute_context(self, s: int, forward: str) -> _ContextFn:
+        """``context_fn`` of stage ``s``'s checkpointed ``forward``: marks the recomputation
+        for DeferredBatchNorm, keeps batch norms' running statistics as the forward left them
+        (as plain training updates them: once), and when tracing records it as an event."""
+        if s not in self._running_stats:
+            self._running_stats[s] = running_stats(self.modules[s])
+        stats, recorder = self._running_stats[s], self.recorder
 
         def context() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-            first, again = recompute_context()
-            return first, _Recorded(again, recorder, forward)
+            first, again = recompute_context(stats)
+            return first, again if recorder is None else _Recorded(again, recorder, forward)
 
         return context
 
