@@ -41,3 +41,13 @@ def test_scalars_merge_as_the_steps_loss_and_the_rest_must_agree() -> None:
     assert microbatch.merge(chunks[::2])["loss"].item() == 2.5  # no weights: the mean
     with pytest.raises(ValueError, match=r"output leaf 1 \(int\) differs between micro-batches"):
         microbatch.merge([{"loss": torch.tensor(1.0), "n": n} for n in (1, 2)])
+
+
+def test_only_tensors_of_their_micro_batchs_size_are_concatenated() -> None:
+    gram = torch.eye(4)  # no batch dimension: (4, 4) for micro-batches of 2 and 3 samples
+    chunks = [{"y": torch.ones(n, 4), "gram": gram} for n in (2, 3)]
+    merged = microbatch.merge(chunks, sizes=[2, 3])
+    assert merged["y"].shape == (5, 4) and torch.equal(merged["gram"], gram)
+    per_microbatch = [{"mean": torch.full((4,), float(n))} for n in (2, 3)]
+    with pytest.raises(ValueError, match=r"output leaf 0 \(Tensor\) differs"):
+        microbatch.merge(per_microbatch, sizes=[2, 3])

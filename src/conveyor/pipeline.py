@@ -385,7 +385,8 @@ class Pipeline:
         if not state.model_outputs:
             return None
         outputs = [state.model_outputs[k] for k in sorted(state.model_outputs)]
-        return microbatch.merge(outputs, step_inputs.loss_weights)
+        sizes = [microbatch.batch_size(c) for c in step_inputs.microbatches]
+        return microbatch.merge(outputs, step_inputs.loss_weights, sizes)
 
     __call__ = forward
 

@@ -46,13 +46,18 @@ def split(value: Any, num_microbatches: int, size: int | None = None) -> list[An
     return [pytree.tree_unflatten([c[k] for c in columns], spec) for k in range(num_microbatches)]
 
 
-def merge(chunks: list[Any], weights: Sequence[float] | None = None) -> Any:
+def merge(
+    chunks: list[Any],
+    weights: Sequence[float] | None = None,
+    sizes: Sequence[int | None] | None = None,
+) -> Any:
     """Concatenate per-micro-batch outputs along the first dimension (inverse of ``split``).
 
-    Tensors with at least one dimension are concatenated. A leaf that is the same in every
-    micro-batch is kept. A floating-point scalar that differs (a loss) is the sum of the
-    micro-batches' weighted by ``weights``, their shares of the step's loss
-    (conveyor.runtime.loss; default: the mean).
+    Tensors whose first dimension is their micro-batch's size (``sizes``; without them, any
+    tensor with a dimension) are concatenated. A leaf that is the same in every micro-batch
+    is kept. A floating-point scalar that differs (a loss) is the sum of the micro-batches'
+    weighted by ``weights``, their shares of the step's loss (conveyor.runtime.loss; default:
+    the mean).
 
     Raises:
         ValueError: another kind of leaf differs between micro-batches.
@@ -61,25 +66,43 @@ def merge(chunks: list[Any], weights: Sequence[float] | None = None) -> Any:
     spec = pytree.tree_flatten(chunks[0])[1]
     shares = list(weights) if weights is not None else [1 / len(chunks)] * len(chunks)
     return pytree.tree_unflatten(
-        [_merged(list(column), shares, i) for i, column in enumerate(zip(*columns, strict=True))],
+        [
+            _merged(list(column), shares, sizes, i)
+            for i, column in enumerate(zip(*columns, strict=True))
+        ],
         spec,
     )
 
 
-def _merged(column: list[Any], weights: list[float], index: int) -> Any:
+def _merged(
+    column: list[Any], weights: list[float], sizes: Sequence[int | None] | None, index: int
+) -> Any:
     first = column[0]
-    if isinstance(first, torch.Tensor) and first.dim() > 0:
+    if _batched(column, sizes):
         return torch.cat(column)
     if all(_same(first, other) for other in column[1:]):
         return first
-    if isinstance(first, torch.Tensor) and first.is_floating_point():
+    if isinstance(first, torch.Tensor) and first.dim() == 0 and first.is_floating_point():
         parts = [w * value for w, value in zip(weights, column, strict=True) if w]
         return sum(parts, torch.zeros_like(first))
+    shown = (
+        f"shape {tuple(first.shape)}, not led by the micro-batch's size"
+        if isinstance(first, torch.Tensor)
+        else f"{first!r}, {column[1]!r}, ..."
+    )
     raise ValueError(
         f"output leaf {index} ({type(first).__name__}) differs between micro-batches "
-        f"({first!r}, {column[1]!r}, ...) and is neither a batch to concatenate nor a loss to "
-        "weigh; return it with a batch dimension, so that it can be concatenated"
+        f"({shown}) and is neither a batch to concatenate nor a loss to weigh; return it with "
+        "a batch dimension first, so that it can be concatenated"
     )
+
+
+def _batched(column: list[Any], sizes: Sequence[int | None] | None) -> bool:
+    """Whether ``column`` holds one micro-batch's part of a batch each: tensors whose first
+    dimension is their micro-batch's size."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in column):
+        return False
+    return sizes is None or all(t.shape[0] == n for t, n in zip(column, sizes, strict=True))
 
 
 def _same(a: Any, b: Any) -> bool:
