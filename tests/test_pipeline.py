@@ -390,6 +390,38 @@ def test_inference_runs_a_batch_smaller_than_the_microbatches(one_rank: None) ->
         pipe.train().step(x, x)  # a step's micro-batches are its schedule's
 
 
+def masked_token_loss(logits: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A token-level mean over the labels not -100, each weighted (targets beside labels)."""
+    losses = F.cross_entropy(logits, targets["labels"], reduction="none")
+    counted = targets["labels"] != -100
+    return (losses * targets["weight"])[counted].sum() / counted.sum()
+
+
+def test_token_mean_counts_the_labels_of_a_dict_of_targets(one_rank: None) -> None:
+    torch.manual_seed(5)
+    model = tiny(4, dropout=0.0)  # the whole batch at once is the reference
+    x, weight = torch.randn(6, 8, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
+    labels = torch.tensor([1, -100, -100, -100, 2, 3])  # the micro-batches count 1, 0 and 2
+    targets = {"labels": labels, "weight": weight}
+    pipe = conveyor.Pipeline(
+        copy.deepcopy(model), num_microbatches=3, loss_fn=masked_token_loss,
+        loss_reduction="token_mean",
+    )  # fmt: skip
+    loss = pipe.step(x, targets)
+    expected = masked_token_loss(model(x), targets)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    check_grads_equal(pipe, model)
+    with pytest.raises(TypeError, match=r"token_mean.* got tuple\. Pass the labels"):
+        pipe.step(x, (labels, weight))
+
+
+def check_grads_equal(pipe: conveyor.Pipeline, model: nn.Module) -> None:
+    expected = dict(model.named_parameters())
+    for name, parameter in pipe.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name].grad, rtol=0, atol=1e-12)
+
+
 def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptureFixture) -> None:
     model = tiny(4)
     pipe = conveyor.Pipeline(model, num_microbatches=2.0, loss_fn=F.mse_loss)

@@ -178,8 +178,9 @@ class TrainingConfig:
     loss_reduction: LossReduction = "mean"
     """'mean': the loss is a per-sample mean, so micro-batch losses are weighted by their share
     of the batch and the step's loss equals the full batch's. 'token_mean': the loss is a mean
-    over the targets not equal to -100 (a token-level loss with padding), so micro-batches are
-    weighted by their share of the step's counted targets. 'sum': losses are added. A model's
+    over the targets not equal to -100 (a tensor, or the 'labels' of a dict of targets; a
+    token-level loss with padding), so micro-batches are weighted by their share of the step's
+    counted targets. 'sum': losses are added. A model's
     own loss (no loss_fn) is weighted by what it averages over: its counted labels."""
     seed: int = 0
     """Seed of the per-micro-batch random streams (dropout); See Note [micro-batch randomness]."""

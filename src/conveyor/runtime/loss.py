@@ -10,8 +10,8 @@ and so the full batch's gradients, however the padding falls between micro-batch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -23,10 +23,23 @@ IGNORE_INDEX = -100
 """Targets equal to this are not counted (torch's cross-entropy default, and transformers')."""
 
 
-def counted_tokens(targets: torch.Tensor, shift: bool = False) -> int:
-    """Targets that a token-level loss counts: those not ``IGNORE_INDEX``; with ``shift``
-    (a causal language model's own loss), all but each sequence's first, which nothing
-    predicts."""
+def counted_tokens(targets: Any, shift: bool = False) -> int:
+    """Targets that a token-level loss counts: those not ``IGNORE_INDEX`` in a tensor of
+    targets, or in the ``labels`` of a dict of them; with ``shift`` (a causal language model's
+    own loss), all but each sequence's first, which nothing predicts.
+
+    Raises:
+        TypeError: the targets are neither a tensor nor a dict with a ``labels`` tensor.
+    """
+    if isinstance(targets, Mapping) and isinstance(targets.get("labels"), torch.Tensor):
+        targets = targets["labels"]
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(
+            "loss_reduction='token_mean' weighs micro-batches by the targets not equal to "
+            f"{IGNORE_INDEX} in a tensor of targets, or in the 'labels' of a dict; got "
+            f"{type(targets).__name__}. Pass the labels as the targets (with {IGNORE_INDEX} "
+            "where the loss ignores a token), or as {'labels': labels, ...} with the rest"
+        )
     if shift:
         targets = targets[..., 1:]
     return int((targets != IGNORE_INDEX).sum())
