@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import conveyor
+from conveyor.split.export import export_model
 from dist import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -135,6 +136,13 @@ def _attention_dropout_follows_the_mode() -> None:
     evaluating = conveyor.Pipeline(plain, num_microbatches=2, timeout_s=30, **options)
     with pytest.raises(ValueError, match="split in eval mode into stages that hold for that"):
         evaluating.train()
+
+
+def test_reentrant_gradient_checkpointing_is_refused_before_export() -> None:
+    model = llama()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match=r"use_reentrant=True, which torch\.export traces"):
+        export_model(model, text_batch())
 
 
 def _language_models(rank: int, world_size: int) -> None:

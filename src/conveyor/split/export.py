@@ -12,6 +12,7 @@ graph. Parameters keep their original qualified names and objects. See Note [exp
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -150,6 +151,7 @@ def export_model(
         TypeError: export failed; the message names the operation, the module and the line of
             user code, and what to do.
     """
+    _refuse_reentrant_checkpointing(model)
     signature = inspect.signature(model.forward)
     added = _training_inputs(model, signature)
     given = {**added, **_bind(signature, example_inputs)}
@@ -370,6 +372,25 @@ def _drop_guards(module: fx.GraphModule) -> None:
         if node.op == "call_module" and not node.users and "guard" in str(node.target):
             module.graph.erase_node(node)
     module.graph.eliminate_dead_code()
+
+
+def _refuse_reentrant_checkpointing(model: nn.Module) -> None:
+    """Refuse Hugging Face's reentrant gradient checkpointing: export traces the checkpointed
+    layers as code without gradients (reentrant checkpointing runs its forward under
+    no_grad), so the split model would not train."""
+    for name, module in model.named_modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if (
+            getattr(module, "gradient_checkpointing", False)
+            and isinstance(function, functools.partial)
+            and function.keywords.get("use_reentrant", False)
+        ):
+            raise ValueError(
+                f"{type(model).__name__}{f' module {name!r}' if name else ''} has gradient "
+                "checkpointing with use_reentrant=True, which torch.export traces as layers "
+                "without gradients; enable it with {'use_reentrant': False} (transformers 5's "
+                "default), or turn it off and pass checkpoint='always' to the Pipeline"
+            )
 
 
 def _training_inputs(model: nn.Module, signature: inspect.Signature) -> dict[str, Any]:
