@@ -4,6 +4,7 @@ and 4 ranks; errors before any message (conveyor.inference.pipeline and its adap
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,11 @@ import torch
 from torch import nn
 
 import conveyor
+from conveyor import PeerLostError
 from conveyor.inference import DecodePipeline, GenerationConfig, generate
 from conveyor.inference.sampling import Sampler, filter_logits, sequence_seed
 from conveyor.models import gpt
+from conveyor.runtime.fingerprint import BatchMismatchError
 from dist import run_ranks
 
 VOCAB = 61
@@ -343,6 +346,30 @@ def _two_ranks(rank: int, world_size: int) -> None:
     if rank == 1:  # the last stage's rank counts the tokens it sampled, and times them
         assert stopped is not None and pipe.decoder.stats is not None
         assert pipe.decoder.stats.new_tokens == stopped.shape[1] - width
+    _failures(pipe, rank, ids)
+
+
+def _failures(pipe: conveyor.Pipeline, rank: int, ids: torch.Tensor) -> None:
+    """Other prompts on one rank: refused on both before any message (the pipeline goes on);
+    a stage that fails mid-generation: its peer fails at once, naming it."""
+    other = ids.clone()
+    other[0, -1] = (other[0, -1] + rank) % VOCAB
+    with pytest.raises(BatchMismatchError, match="another batch for generation"):
+        pipe.generate(other, max_new_tokens=2)
+    pipe.generate(ids, max_new_tokens=2)
+    if rank == 1:
+        block = next(m for m in pipe.decoder._local_modules() if hasattr(m, "attend"))
+        block.attend = lambda *args: (_ for _ in ()).throw(RuntimeError("broken block"))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError if rank == 1 else PeerLostError) as failure:
+        pipe.generate(ids, max_new_tokens=2)
+    if rank == 0:
+        assert "rank 1 abandoned generation" in str(failure.value) and "broken block" in str(
+            failure.value
+        )
+        assert time.monotonic() - start < 10  # not the 60 s timeout
+    with pytest.raises(RuntimeError, match=r"abandoned generation|was closed"):
+        pipe.generate(ids, max_new_tokens=2)
 
 
 @pytest.mark.dist

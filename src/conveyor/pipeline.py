@@ -7,7 +7,7 @@ import logging
 import os
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO, get_args
@@ -36,7 +36,7 @@ from conveyor.program import Kind, Program
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.runtime.fingerprint import StepRefused, autocast_state, fingerprint
+from conveyor.runtime.fingerprint import autocast_state, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
@@ -409,23 +409,13 @@ class Pipeline:
         self._runtime.compile_timeout = timedelta(seconds=self.config.compile_timeout_s)
         return self
 
-    @contextmanager
-    def _abandoning(self, doing: str) -> Iterator[None]:
+    def _abandoning(self, doing: str) -> AbstractContextManager[None]:
         """On any error, tell the other ranks that this rank gives up ``doing``, and refuse
         to run again; See Note [abandoned step] in conveyor.runtime.comm."""
-        try:
-            yield
-        except StepRefused:  # every rank refused the step together: nothing to abandon
-            raise
-        except BaseException as error:  # Ctrl-C too: the peers must not wait for this rank
-            text = " ".join(str(error).split())
-            text = text if len(text) <= 200 else text[:197] + "..."
-            self._abandoned = f"{doing} ({type(error).__name__}: {text})"
-            try:
-                self._p2p.abandon(doing, error)
-            except Exception as failure:  # keep the step's own error: it is the cause
-                logger.warning("[rank %d] could not tell the other ranks: %s", self.rank, failure)
-            raise
+        return self._p2p.abandoning(doing, self._give_up)
+
+    def _give_up(self, what: str) -> None:
+        self._abandoned = what
 
     def _check_usable(self) -> None:
         if self._abandoned is not None:

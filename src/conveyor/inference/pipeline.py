@@ -33,7 +33,8 @@ from conveyor.inference.prompts import generated_length, groups_of, positions_of
 from conveyor.inference.runtime import Batch, DecodeRuntime
 from conveyor.inference.schedule import decode_items, decode_program
 from conveyor.program import Program
-from conveyor.runtime.comm import P2P
+from conveyor.runtime.comm import P2P, Meta
+from conveyor.runtime.fingerprint import agree, fingerprint
 from conveyor.split import even_balance
 from conveyor.trace import Recorder, Timeline, merge
 
@@ -126,6 +127,8 @@ class DecodePipeline:
         )
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
         self._programs: dict[tuple[int, int, int, int | None], Program] = {}
+        self._abandoned: str | None = None
+        """The generation this rank gave up after an error, if any; it refuses to run then."""
         self.num_generations = 0
         self.stats: GenerationStats | None = None
         """Timings of the last generate call."""
@@ -208,6 +211,7 @@ class DecodePipeline:
                 budget, or malformed prompts or settings.
         """
         start = time.perf_counter()
+        self._check_usable()
         config = self.settings(config, **options)
         ids, mask = prepare_prompts(input_ids, attention_mask, config.pad_token_id)
         self._check(ids, config)
@@ -215,12 +219,14 @@ class DecodePipeline:
         program = self.program(len(batch.groups), ids.shape[1], config)
         if self.recorder is not None:
             self.recorder.begin_step(self.num_generations)
-        with _eval_mode(self._local_modules()):
-            tokens = self._runtime.run(program[self.rank], batch)
+        with self._abandoning(f"generation {self.num_generations}"):
+            self._agree(ids, mask, config)
+            with _eval_mode(self._local_modules()):
+                tokens = self._runtime.run(program[self.rank], batch)
+            new = self._share(tokens, batch, config.dst)
         if self.recorder is not None:
             self.recorder.end_step()
         self.num_generations += 1
-        new = self._share(tokens, batch, config.dst)
         length = config.max_new_tokens
         if tokens or new is not None:  # the last stage's rank, or one that got the tokens
             mine = new if new is not None else _stacked(tokens)
@@ -340,25 +346,49 @@ class DecodePipeline:
         self, tokens: dict[int, list[torch.Tensor]], batch: Batch, dst: int | None
     ) -> torch.Tensor | None:
         """The (batch, max new tokens) tokens, from the last stage's rank to every rank (or
-        to ``dst``)."""
-        sink = self.graph.rank_of(self.graph.sink)
-        if tokens:
-            new = _stacked(tokens)
-        else:
-            shape = (batch.input_ids.shape[0], batch.config.max_new_tokens)
-            new = torch.empty(shape, dtype=torch.long, device=self.device)
-        if self.num_ranks == 1:
-            return new
-        if dst is None:
-            dist.broadcast(new, group=self.group, group_src=sink)
-            return new
-        if dst == sink:
-            return new if self.rank == sink else None
+        to ``dst``), over the pipeline's own messages: every wait is bounded, a lost peer named."""
+        p2p, sink = self._runtime.p2p, self.graph.rank_of(self.graph.sink)
+        if p2p is None:
+            return _stacked(tokens)
+        receivers = [r for r in range(self.num_ranks) if r != sink and dst in (None, r)]
         if self.rank == sink:
-            dist.send(new, group=self.group, group_dst=dst)
-        elif self.rank == dst:
-            dist.recv(new, group=self.group, group_src=sink)
-        return new if self.rank == dst else None
+            new = _stacked(tokens)
+            for rank in receivers:
+                p2p.send(new, rank, "the generated tokens")
+            p2p.wait_sends()
+        elif self.rank in receivers:
+            shape = (batch.input_ids.shape[0], batch.config.max_new_tokens)
+            meta = Meta.of(torch.empty(shape, dtype=torch.long, device="meta"))
+            new = p2p.wait(p2p.post(sink, meta, "the generated tokens"))
+        return new if dst in (None, self.rank) else None
+
+    def _agree(self, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> None:
+        """Every rank must generate from the same prompts and settings: compared before the
+        first message (Note [batch fingerprint])."""
+        if self._runtime.p2p is None:
+            return
+        prompts = {"input_ids": ids, "attention_mask": mask, "settings": repr(config)}
+        mine = fingerprint(prompts, None, False, self.device, int(ids.shape[0]))
+        agree(self._runtime.p2p, mine, f"generation {self.num_generations}")
+
+    def _abandoning(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        """On an error once messages may move, close this rank's connections so that every
+        peer fails at once naming it, and refuse to generate again (Note [abandoned step])."""
+        if self._runtime.p2p is None:
+            return contextlib.nullcontext()
+        return self._runtime.p2p.abandoning(doing, self._give_up)
+
+    def _give_up(self, what: str) -> None:
+        self._abandoned = what
+
+    def _check_usable(self) -> None:
+        if self._abandoned is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: this DecodePipeline abandoned {self._abandoned} and closed "
+                "its connections to the other ranks; create a new one on every rank to go on"
+            )
+        if self._runtime.p2p is not None:
+            self._runtime.p2p.check_open()
 
     def _check_materialized(self) -> None:
         """Refuse this rank's modules if they hold meta tensors: they have no values to run."""

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -14,11 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.runtime.peers import Peers, read_record
+from conveyor.runtime.peers import Peers, StepRefused, read_record
 from conveyor.torch_compat import close_gloo_group, pytree
 from conveyor.trace import Recorder
 
 __all__ = ["P2P", "LeafMeta", "Meta", "Receive"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,25 @@ class P2P:
                 _CLOSED[group.group_name] = dist.group.WORLD
         if self._upward is not None and _DIRECTIONS[:1] == [self._upward]:
             _DIRECTIONS.clear()  # the next Pipeline makes new ones
+
+    @contextmanager
+    def abandoning(self, doing: str, on_error: Callable[[str], None]) -> Iterator[None]:
+        """Around work whose messages may be in flight: on any error (Ctrl-C too) but a
+        refusal of every rank at once, call ``on_error`` with what was given up and why, and
+        ``abandon``, so the peers do not wait for this rank; the error goes on."""
+        try:
+            yield
+        except StepRefused:
+            raise
+        except BaseException as error:
+            text = " ".join(str(error).split())
+            text = text if len(text) <= 200 else text[:197] + "..."
+            on_error(f"{doing} ({type(error).__name__}: {text})")
+            try:
+                self.abandon(doing, error)
+            except Exception as failure:  # keep the work's own error: it is the cause
+                logger.warning("[rank %d] could not tell the other ranks: %s", self.rank, failure)
+            raise
 
     def check_open(self) -> None:
         """Raise if a Pipeline that abandoned a step closed the groups this one talks over."""

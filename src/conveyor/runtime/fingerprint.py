@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.runtime.comm import P2P, Meta
+from conveyor.runtime.peers import StepRefused
 from conveyor.torch_compat import pytree
 
 __all__ = [
@@ -32,11 +33,6 @@ __all__ = [
     "autocast_state",
     "fingerprint",
 ]
-
-
-class StepRefused(Exception):  # noqa: N818  # a marker, mixed into the errors below
-    """Raised by ``agree`` on every rank at once, before any message of the step: nothing
-    is in flight, so the Pipeline stays usable (it is not abandoned)."""
 
 
 class BatchMismatchError(ValueError, StepRefused):
@@ -186,7 +182,7 @@ def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, wha
         found = "the targets hold different values"
     return (
         f"rank {rank}: rank {peer} was given another batch for {what}: {found}. Every rank "
-        "must pass the same batch to step() and forward() (a pipeline is not data "
+        "must pass the same batch to step(), forward() and generate() (a pipeline is not data "
         "parallel: the first stage's rank reads the inputs, the last stage's rank the "
         "targets); load the same data on every rank of the pipeline (same seed, no "
         "DistributedSampler over the pipeline's ranks)"

@@ -31,6 +31,7 @@ __all__ = [
     "Failure",
     "PeerLostError",
     "Peers",
+    "StepRefused",
     "read_failure",
     "silent_ranks",
     "start_heartbeat",
@@ -49,6 +50,11 @@ HEARTBEAT_S = 1.0
 """Seconds between a rank's heartbeats in the store."""
 STORE_WAIT_S = 5.0
 """Longest wait for the store on a failure path (its host may be the stopped rank)."""
+
+
+class StepRefused(Exception):  # noqa: N818  # a marker, mixed into the refusals
+    """Raised on every rank at once, before any message of the step (conveyor.runtime.
+    fingerprint): nothing is in flight, so the pipeline stays usable (it is not abandoned)."""
 
 
 class PeerLostError(RuntimeError):
