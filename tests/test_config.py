@@ -42,6 +42,7 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
         ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
         ({"stage_checkpoint": ("never", "often")}, r"stage_checkpoint has modes \['often'\]"),
         ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"timeout_s": float("nan")}, "timeout_s must be positive and finite"),
         ({"compile_timeout_s": -1.0}, "compile_timeout_s must be positive"),
         ({"tie_weights": ("a.weight",)}, "names fewer than two"),
         ({"dp": 0}, "dp must be >= 1, got 0"),
@@ -51,6 +52,23 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
 )
 def test_each_section_rejects_bad_values(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
+        PipelineConfig(**fields)  # type: ignore[arg-type]  # wrong on purpose
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"split_points": "12"}, r"split_points takes a list .* got str '12'; pass split_points"),
+        ({"balance": 2}, r"balance takes a list .* got int 2"),
+        ({"stage_checkpoint": "always"}, r"stage_checkpoint takes a list"),
+        ({"tie_weights": "a.weight,b.weight"}, r"tie_weights takes a list"),
+        ({"timeout_s": "60"}, "timeout_s must be a number of seconds, got '60'"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_refused_naming_the_field(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(TypeError, match=message):
         PipelineConfig(**fields)  # type: ignore[arg-type]  # wrong on purpose
 
 

@@ -435,8 +435,14 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
         pipe.step(x.to("meta"), x)
     with pytest.raises(ValueError, match=r"targets of shape \(4, 8\) is on the meta"):
         pipe.step(x, x.to("meta"))
+    with pytest.raises(ValueError, match=r"targets hold no tensor of the batch's 4 samples"):
+        pipe.step(x, x[:2])  # each micro-batch would get both targets, silently
     with pytest.raises(ValueError, match="no layers to split"):
         conveyor.Pipeline(nn.Sequential(), loss_fn=F.mse_loss)
+    with pytest.raises(TypeError, match="schedule must be a name, a schedule file or a function"):
+        conveyor.Pipeline(tiny(4), schedule=3, loss_fn=F.mse_loss)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="loss_fn must be a function"):
+        conveyor.Pipeline(tiny(4), loss_fn=3)  # type: ignore[arg-type]
     if not torch.cuda.is_available():  # a CPU build of torch, or no GPU
         with pytest.raises(ValueError, match="sees no cuda device here; pass device='cpu'"):
             conveyor.Pipeline(tiny(4), device="cuda", loss_fn=F.mse_loss)

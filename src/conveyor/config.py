@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import math
 import numbers
 import operator
 import os
-from collections.abc import Mapping
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -242,8 +245,11 @@ class RuntimeConfig:
 
     def _check_runtime(self) -> None:
         for name in ("timeout_s", "compile_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+            if not 0 < float(value) < math.inf:
+                raise ValueError(f"{name} must be positive and finite (seconds), got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +298,7 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
     """
 
     def __post_init__(self) -> None:
+        _check_sequences(self)
         self._check_split()
         self._check_training()
         self._check_runtime()
@@ -345,6 +352,29 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
         }
 
 
+def _check_sequences(config: PipelineConfig) -> None:
+    """Refuse a string or a single value where a field takes a sequence: ``"12"`` would be
+    read as ``("1", "2")``."""
+    for name, hint in _sequence_fields().items():
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, str) or not isinstance(value, Sequence)):
+            raise TypeError(
+                f"{name} takes a list ({hint}), got {type(value).__name__} {value!r}; pass "
+                f"{name}=[{value!r}] for one entry"
+            )
+
+
+@functools.cache
+def _sequence_fields() -> dict[str, str]:
+    """PipelineConfig's fields that hold tuples, with their types as written."""
+    hints = typing.get_type_hints(PipelineConfig)
+    return {
+        name: str(hint).replace("typing.", "")
+        for name, hint in hints.items()
+        if any(typing.get_origin(a) is tuple for a in (hint, *typing.get_args(hint)))
+    }
+
+
 def _whole(name: str, value: Any) -> int:
     """``value`` as an int: integers pass, integral floats (``42.0``, as TOML or arithmetic
     make them) are converted, anything else is refused naming the field."""
@@ -394,6 +424,15 @@ def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _fields_of(PipelineConfig, data["pipeline"], f"plan file {str(path)!r}")
 
 
+def _planned(config: PipelineConfig, path: str | os.PathLike[str]) -> PipelineConfig:
+    """``config`` with the plan file ``path``'s fields; a bad value names the file."""
+    fields = read_plan(path)
+    try:
+        return config.with_plan(fields)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"plan file {str(path)!r}: {error}") from error
+
+
 def resolve(
     config: PipelineConfig | None = None,
     *,
@@ -415,10 +454,10 @@ def resolve(
     """
     config = config or PipelineConfig()
     if plan is not None:
-        config = config.with_plan(read_plan(plan))
+        config = _planned(config, plan)
     config = config.with_options(options or {})
     if environ.get(PLAN_ENV):
-        config = config.with_plan(read_plan(environ[PLAN_ENV]))
+        config = _planned(config, environ[PLAN_ENV])
         logger.info("using the plan in %s (conveyor run --plan)", environ[PLAN_ENV])
     if environ.get(TRACE_ENV) and config.trace_dir is None:
         config = config.replace(trace_dir=environ[TRACE_ENV])

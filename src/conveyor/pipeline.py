@@ -61,6 +61,7 @@ from conveyor.split import (
 from conveyor.split.auto import auto_split
 from conveyor.split.export import place_on
 from conveyor.split.stages import EXPORTED
+from conveyor.torch_compat import pytree
 from conveyor.trace import REDUCE, Recorder, Timeline, merge, trace_file_name
 from conveyor.training import clip_grad_norm_, share_loss
 from conveyor.uninitialized import Unset
@@ -111,6 +112,11 @@ class Pipeline:
             )
         if schedule is not None:
             options["schedule"] = schedule_name(schedule)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be a function (outputs, targets) -> scalar loss, got "
+                f"{type(loss_fn).__name__} {loss_fn!r}"
+            )
         config = self.config = resolve(config, plan=plan, options=options)
         if config.keep_host_memory:
             keep_freed_memory()
@@ -517,6 +523,7 @@ class Pipeline:
         if not is_training and size:  # inference: a batch smaller than m runs as it is
             m = min(m, size)
         chunks = microbatch.split(bound, m, size)
+        _check_targets(targets, size)
         split_targets = None if targets is None else microbatch.split(targets, m, size)
         if is_training and self.loss_fn is None and bound.get(LABELS) is None:
             raise ValueError(
@@ -818,6 +825,18 @@ def _split(
     split_points = _split_points(model, config, num_ranks)
     graph = split_model(model, split_points, config.placement, concrete_args, **traced)
     return split_points, graph
+
+
+def _check_targets(targets: Any, size: int | None) -> None:
+    """Refuse targets none of whose tensors has the batch's samples: each micro-batch would
+    get them whole, and train on the wrong targets without an error."""
+    shapes = [tuple(t.shape) for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)]
+    batched = [shape for shape in shapes if shape]
+    if size is not None and batched and not any(shape[0] == size for shape in batched):
+        raise ValueError(
+            f"the targets hold no tensor of the batch's {size} samples (shapes {batched}); "
+            f"give targets with the batch as their first dimension, {size} like the inputs'"
+        )
 
 
 def _with_layout(config: PipelineConfig, num_ranks: int) -> PipelineConfig:

@@ -37,6 +37,11 @@ def schedule_name(schedule: str | Schedule) -> str:
     function by its qualified name."""
     if isinstance(schedule, str):
         return schedule
+    if not callable(schedule):
+        raise TypeError(
+            f"schedule must be a name, a schedule file or a function (graph, num_microbatches) "
+            f"-> Program, got {type(schedule).__name__} {schedule!r}"
+        )
     known = [name for name, function in SCHEDULES.items() if function is schedule]
     if known:
         return known[0]
