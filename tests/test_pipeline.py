@@ -18,6 +18,7 @@ from torch import nn
 import conveyor
 from conveyor.models import gpt, gpt_loss, text_batches
 from conveyor.runtime.backward import backward_input
+from conveyor.runtime.fingerprint import BatchMismatchError
 from conveyor.runtime.peers import PeerLostError
 from dist import run_ranks
 
@@ -354,6 +355,10 @@ def _bad_input(rank: int, world_size: int) -> None:
     unlossy = conveyor.Pipeline(model, num_microbatches=2, timeout_s=10)
     with pytest.raises(ValueError, match="needs a loss"):
         unlossy.step(x, x)
+    for mine in ({"num_microbatches": 2 + 2 * rank}, {"placement": (rank, 1 - rank)}):
+        other = conveyor.Pipeline(model, loss_fn=F.mse_loss, timeout_s=10, **mine)
+        with pytest.raises(BatchMismatchError, match=f"rank {1 - rank} runs another pipeline"):
+            other.step(x, x)  # ranks constructed differently: told so, before any activation
     pipe = conveyor.Pipeline(model, num_microbatches=2, loss_fn=F.mse_loss, timeout_s=10)
     pipe.step(x, x)  # nothing above left a message in flight
 

@@ -36,7 +36,7 @@ from conveyor.program import Kind, Program
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.runtime.fingerprint import autocast_state, fingerprint
+from conveyor.runtime.fingerprint import autocast_state, digest, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
@@ -155,6 +155,16 @@ class Pipeline:
         if not (callable(schedule) and config.schedule == schedule_name(schedule)):
             schedule = config.schedule  # a name, or a plan's schedule over the script's function
         self.program = build_program(schedule, self.topology, config.num_microbatches)
+        self._runs = digest(
+            (
+                str(self.program),
+                [(st.inputs, st.outputs, st.rank) for st in self.graph.stages],
+                config.stage_checkpoint or config.checkpoint,
+                config.loss_reduction,
+                config.seed,
+            )
+        )
+        """Digest of what every rank must run alike, compared in each step's batch check."""
         self._inference: dict[int, Program] = {}
         """Forward-only Programs by number of micro-batches (fewer for a smaller batch)."""
         ties = find_ties(self.graph, config.tie_weights)  # by identity: before materializing
@@ -542,7 +552,14 @@ class Pipeline:
         where = f"rank {self.rank} (stages {list(self.stages)})"
         frozen = [i for i, p in enumerate(self.parameters()) if not p.requires_grad]
         mine = fingerprint(
-            bound, targets, is_training, self.device, size, self._unset.problem(where), frozen
+            bound,
+            targets,
+            is_training,
+            self.device,
+            size,
+            self._unset.problem(where),
+            frozen,
+            self._runs,
         )
         return StepInputs(
             chunks,

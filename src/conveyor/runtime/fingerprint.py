@@ -31,6 +31,7 @@ __all__ = [
     "StepRefused",
     "agree",
     "autocast_state",
+    "digest",
     "fingerprint",
 ]
 
@@ -47,18 +48,19 @@ class CannotRunError(RuntimeError, StepRefused):
 # At the start of every step (and every inference call) each rank sends a fingerprint of its batch
 # to every other rank and compares what it receives with its own, before any activation moves: a
 # difference fails every rank at once with the same message, and a batch size that differs never
-# reaches a receive of the wrong size. The fingerprint is seven int64s: the batch size, digests of
+# reaches a receive of the wrong size. The fingerprint is eight int64s: the batch size, digests of
 # the structure (shapes, dtypes, constants), of the inputs' values, of the targets' values, of the
 # mode (step or forward, autocast), a flag for a rank that cannot run (its stages hold parameters
-# nothing initialized), and a digest of which of the rank's parameters require gradients. That last
-# one is not compared but kept: it decides which activations carry gradients, so a stage frozen or
-# unfrozen between steps makes the senders exchange their layouts again (the interpreter keys each
-# channel's layout by it). Values are digested exactly: each tensor's bytes as 64-bit integers,
-# summed (wrapping) plainly and weighted by position along the batch and across a sample. Integer
-# sums do not depend on the order of reduction, so equal batches give equal digests on any rank and
-# device, and a batch reordered or shifted gives another. One exchange costs each rank p - 1 small
-# messages each way, and the sums about one read of the batch (measured in docs/benchmarks.md, batch
-# check).
+# nothing initialized), a digest of the pipeline it runs (Program, split, checkpointing: ranks
+# constructed with other arguments would deadlock or exchange messages of the wrong size), and a
+# digest of which of the rank's parameters require gradients. That last one is not compared but
+# kept: it decides which activations carry gradients, so a stage frozen or unfrozen between steps
+# makes the senders exchange their layouts again (the interpreter keys each channel's layout by it).
+# Values are digested exactly: each tensor's bytes as 64-bit integers, summed (wrapping) plainly and
+# weighted by position along the batch and across a sample. Integer sums do not depend on the order
+# of reduction, so equal batches give equal digests on any rank and device, and a batch reordered or
+# shifted gives another. One exchange costs each rank p - 1 small messages each way, and the sums
+# about one read of the batch (measured in docs/benchmarks.md, batch check).
 @dataclass(frozen=True)
 class Fingerprint:
     """What every rank must agree on before a step: its batch and how the step runs."""
@@ -74,6 +76,9 @@ class Fingerprint:
     """Digest of step or forward and the autocast state."""
     not_ready: int = 0
     """1 if this rank cannot run the step; ``problem`` says why."""
+    pipeline: int = 0
+    """Digest of the pipeline this rank runs: its Program (schedule, micro-batches,
+    placement) and split, so ranks constructed with other arguments are told so."""
     trainable: int = field(default=0, compare=False)
     """Digest of which of this rank's parameters require gradients: not compared (ranks hold
     other stages) but shared, since it decides which activations carry gradients."""
@@ -85,11 +90,13 @@ class Fingerprint:
 
     @classmethod
     def of_tensor(cls, tensor: torch.Tensor) -> Fingerprint:
-        batch_size, layout, inputs, targets, mode, not_ready, trainable = map(int, tensor.tolist())
-        return cls(batch_size, layout, inputs, targets, mode, not_ready, trainable)
+        batch_size, layout, inputs, targets, mode, not_ready, pipeline, trainable = map(
+            int, tensor.tolist()
+        )
+        return cls(batch_size, layout, inputs, targets, mode, not_ready, pipeline, trainable)
 
 
-_SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready", "trainable")
+_SENT = ("batch_size", "layout", "inputs", "targets", "mode", "not_ready", "pipeline", "trainable")
 
 
 def autocast_state(device: torch.device) -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -109,10 +116,11 @@ def fingerprint(
     batch_size: int | None,
     problem: str = "",
     trainable: Any = (),
+    pipeline: Any = (),
 ) -> Fingerprint:
     """The fingerprint of one step's batch (``inputs`` bound to forward's parameters);
     ``problem`` says why this rank cannot run the step, if it cannot; ``trainable`` is what
-    of this rank's model requires gradients (digested).
+    of this rank's model requires gradients and ``pipeline`` what it runs (both digested).
 
     Raises:
         ValueError: a tensor of the batch is on the meta device (it holds no values).
@@ -122,12 +130,13 @@ def fingerprint(
     layout = [_layout(inputs), _layout(targets)]
     return Fingerprint(
         -1 if batch_size is None else batch_size,
-        _digest(layout),
-        _digest(_values(inputs)),
-        0 if targets is None else _digest(_values(targets)),
-        _digest([is_training, autocast_state(device)]),
+        digest(layout),
+        digest(_values(inputs)),
+        0 if targets is None else digest(_values(targets)),
+        digest([is_training, autocast_state(device)]),
         1 if problem else 0,
-        _digest(trainable),
+        digest(pipeline),
+        digest(trainable),
         problem,
     )
 
@@ -166,6 +175,12 @@ def agree(p2p: P2P, mine: Fingerprint, describe: str) -> tuple[int, ...]:
 
 
 def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, what: str) -> str:
+    if mine.pipeline != other.pipeline:
+        return (
+            f"rank {rank}: rank {peer} runs another pipeline for {what}: its schedule, "
+            "micro-batches, split, placement or checkpointing differ from this rank's; "
+            "construct the Pipeline with the same model and arguments on every rank"
+        )
     if mine.mode != other.mode:
         return (
             f"rank {rank}: rank {peer} runs {what} in another mode: one rank calls step() "
@@ -245,7 +260,7 @@ def _checksum(tensor: torch.Tensor) -> tuple[int, int, int]:
     return total, along, across
 
 
-def _digest(value: Any) -> int:
+def digest(value: Any) -> int:
     """A signed 63-bit digest of ``value``'s repr (stable across processes, unlike hash())."""
     data = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     return int.from_bytes(data, "little") >> 1
