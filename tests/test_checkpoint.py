@@ -578,6 +578,10 @@ def _bad(rank: int, world_size: int, root: str, source: str) -> None:
         r"checkpoint, e\.g\. \['optimizer\.param_groups\..*it was saved without",
     ):
         Run(Path(root) / "with-optimizer").ckpt.load(Path(root) / "bare" / "step-00000002")
+    own = Path(root) / f"own-{rank}"  # a directory per node: no checkpoint would be whole
+    own.mkdir()
+    with pytest.raises(CheckpointError, match=r"do not share the checkpoint directory \(rank 0 "):
+        Run(own)
 
 
 @pytest.mark.dist

@@ -440,18 +440,24 @@ class Checkpointer:
         return uuid.uuid4().hex[:8]
 
     def _check_writable(self) -> None:
-        """Every rank writes its own files into the directory: find out now, not at the first
-        save, if one cannot (read-only, no permission, no space)."""
+        """Every rank writes its own files into the directory, which must be the same one for
+        all (a checkpoint is every rank's files): find out now, not at a save or a resume, if
+        a rank cannot write (read-only, no permission, no space) or the ranks see different
+        directories (each node's own disk)."""
         probe = self.directory / f".probe-{self._run_id}-{self.rank}"
         problem = None
         try:
             probe.write_bytes(b"conveyor")
-            probe.unlink()
         except OSError as error:
             problem = f"{type(error).__name__}: {error}"
-        problems: list[Any] = [None] * self.world_size
-        with self._naming_lost("checking the checkpoint directory"):
-            dist.all_gather_object(problems, problem, group=self._group)
+        problems = self._gathered(problem, "checking the checkpoint directory")
+        unseen = [
+            r
+            for r in range(self.world_size)
+            if not (self.directory / f".probe-{self._run_id}-{r}").exists()
+        ]
+        views = self._gathered(unseen, "checking the checkpoint directory")  # all have looked
+        probe.unlink(missing_ok=True)
         failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None]
         if failed:
             raise CheckpointError(
@@ -460,6 +466,21 @@ class Checkpointer:
                 f"cannot write into the checkpoint directory ({'; '.join(failed)}); make it "
                 "writable by every rank, or pass another directory",
             )
+        split = [f"rank {r} sees no files of ranks {v}" for r, v in enumerate(views) if v]
+        if split:
+            raise CheckpointError(
+                self.directory,
+                None,
+                f"the ranks do not share the checkpoint directory ({'; '.join(split)}): a "
+                "checkpoint holds every rank's files in one directory; pass a directory on a "
+                "file system every rank mounts (the same path on every node)",
+            )
+
+    def _gathered(self, value: Any, doing: str) -> list[Any]:
+        values: list[Any] = [None] * self.world_size
+        with self._naming_lost(doing):
+            dist.all_gather_object(values, value, group=self._group)
+        return values
 
     # -- loading -------------------------------------------------------------------------
 
