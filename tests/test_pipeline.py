@@ -421,6 +421,22 @@ def test_token_mean_counts_the_labels_of_a_dict_of_targets(one_rank: None) -> No
         pipe.step(x, (labels, weight))
 
 
+def test_a_loss_fn_error_says_where_and_on_what(one_rank: None) -> None:
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for loss_fn, error, message in [
+        (lambda out, y: (out - y) ** 2, TypeError, r"loss_fn returned \(2, 8\) float64 for"),
+        (lambda out, y: 1.0, TypeError, "loss_fn returned float for micro-batch 0"),
+        (lambda out, y: out @ y, RuntimeError, "cannot be multiplied"),
+    ]:
+        pipe = conveyor.Pipeline(tiny(4), num_microbatches=2, loss_fn=loss_fn)
+        with pytest.raises(error, match=message) as raised:
+            pipe.step(x, x)
+        if error is RuntimeError:
+            assert "loss_fn of micro-batch 0 on the output (2, 8) float64" in str(
+                raised.value.__notes__
+            )
+
+
 def check_grads_equal(pipe: conveyor.Pipeline, model: nn.Module) -> None:
     expected = dict(model.named_parameters())
     for name, parameter in pipe.named_parameters():

@@ -25,7 +25,7 @@ from conveyor.runtime.input_grads import InputGradients
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.recompute import RecomputeMode, is_recomputed
 from conveyor.runtime.rng import RngState, microbatch_seed, rng_stream
-from conveyor.runtime.stage_errors import stage_errors
+from conveyor.runtime.stage_errors import check_loss, loss_errors, stage_errors
 from conveyor.torch_compat import pytree
 from conveyor.trace import Recorder
 
@@ -257,7 +257,9 @@ class Runtime:
         if self.loss_fn is None:
             raise ValueError("training needs a loss: pass loss_fn to the Pipeline")
         target = None if step.targets is None else step.targets[k]
-        loss, weight = self.loss_fn(output, target), step.loss_weights[k]
+        with loss_errors(self.rank, self.graph.sink, k, output, target):
+            loss = check_loss(self.loss_fn(output, target), self.rank, k)
+        weight = step.loss_weights[k]
         # weight 0: nothing to count (every target ignored), and the mean over nothing is NaN
         self._state.losses[k] = loss * weight if weight else loss.nan_to_num(0.0) * 0.0
 

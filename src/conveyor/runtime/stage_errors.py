@@ -1,4 +1,5 @@
-"""Errors raised inside a stage's forward, told with where they happened and what to change.
+"""Errors raised inside a stage's forward or the loss function, told with where they happened
+and what to change.
 
     with stage_errors(rank, stage, k, ("h",), (h,)):
         out = module(h)
@@ -18,7 +19,7 @@ import torch
 from conveyor.runtime.inplace import INPLACE_ON_LEAF
 from conveyor.torch_compat import pytree
 
-__all__ = ["stage_errors"]
+__all__ = ["check_loss", "loss_errors", "stage_errors"]
 
 
 @contextmanager
@@ -46,6 +47,34 @@ def stage_errors(
     except Exception as error:
         _note(error, where, k, names, inputs)
         raise
+
+
+@contextmanager
+def loss_errors(rank: int, stage: int, k: int, output: Any, target: Any) -> Iterator[None]:
+    """Add where and on what ``loss_fn`` failed to any error it raises."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(
+            f"conveyor: rank {rank} (stage {stage}), loss_fn of micro-batch {k} on the "
+            f"output {_shapes(output)} and targets {_shapes(target)}"
+        )
+        raise
+
+
+def check_loss(loss: Any, rank: int, k: int) -> torch.Tensor:
+    """``loss`` if it is what a step can backpropagate from: a one-element tensor.
+
+    Raises:
+        TypeError: it is not a tensor, or holds more than one value.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = _shapes(loss) if isinstance(loss, torch.Tensor) else f"{type(loss).__name__}"
+        raise TypeError(
+            f"rank {rank}: loss_fn returned {got} for micro-batch {k}; it must return the "
+            "micro-batch's loss as a tensor of one value (e.g. reduce it with .mean())"
+        )
+    return loss
 
 
 def _note(
