@@ -349,6 +349,21 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
     }
 
 
+def test_a_file_that_is_no_trace_is_named_with_its_line(tmp_path: Path) -> None:
+    _write_run(tmp_path, {0: {0: [["0F0", 0.0, 1.0, 0, 0]]}, 1: {0: [["1F0", 0.0, 1.0, 0, 0]]}})
+    path = tmp_path / "rank1.jsonl"
+    for text, line, why in [
+        ('{"meta": {}}\n', 1, "KeyError: 'rank'"),
+        ("not json\n", 1, "JSONDecodeError"),
+        (path.read_text() + '{"step": 1}\n', 3, "KeyError: 'events'"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(
+            ValueError, match=f"rank1.jsonl' line {line} is not a conveyor trace \\({why}"
+        ):
+            load_run(tmp_path)
+
+
 def test_trace_command_writes_only_what_is_asked_for_and_a_range_of_steps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

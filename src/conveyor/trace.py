@@ -514,6 +514,32 @@ _Row = tuple[int, int, int]
 """(replica, tp rank, pipeline rank) of a trace file."""
 
 
+def _read_trace_file(path: Path) -> tuple[_Row, dict[int, list[Any]], dict[str, Any]]:
+    """One rank's trace file: its row (replica, tp, rank), its steps' event rows, its meta.
+
+    Raises:
+        ValueError: the file is not a trace file (or was cut short), naming it and the line.
+    """
+    lines = path.read_text().splitlines() or [""]
+    steps: dict[int, list[Any]] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line and number > 1:
+            continue
+        try:
+            row = json.loads(line)
+            if number == 1:
+                head = row
+                key = (int(row.get("replica", 0)), int(row.get("tp", 0)), int(row["rank"]))
+            else:
+                steps[row["step"]] = row["events"]
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(
+                f"{str(path)!r} line {number} is not a conveyor trace ({type(error).__name__}: "
+                f"{error}); record the run again, or move the file out of the directory"
+            ) from error
+    return key, steps, head.get("meta", {})
+
+
 def _read_run(
     directory: str | Path,
 ) -> tuple[dict[_Row, dict[int, list[Any]]], list[_Row], dict[str, Any]]:
@@ -529,13 +555,9 @@ def _read_run(
     per_row: dict[_Row, dict[int, list[Any]]] = {}
     meta: dict[str, Any] = {}
     for path in files:
-        lines = path.read_text().splitlines()
-        head = json.loads(lines[0])
-        meta.update(head.get("meta", {}))
-        key = (int(head.get("replica", 0)), int(head.get("tp", 0)), int(head["rank"]))
-        per_row[key] = {
-            row["step"]: row["events"] for row in map(json.loads, filter(None, lines[1:]))
-        }
+        key, steps, head_meta = _read_trace_file(path)
+        meta.update(head_meta)
+        per_row[key] = steps
     num_ranks = int(meta.get("ranks", 1 + max(k[2] for k in per_row)))
     replicas, tp = int(meta.get("replicas", 1)), int(meta.get("tp", 1))
     rows = [(r, t, p) for r in range(replicas) for t in range(tp) for p in range(num_ranks)]

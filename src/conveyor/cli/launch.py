@@ -28,8 +28,11 @@ def _check_plan(path: str) -> str:
     return str(Path(path).resolve())
 
 
-def _path(value: str) -> str:
-    return str(Path(value).resolve())
+def _directory(value: str) -> str:
+    path = Path(value).resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{value!r} is a file, not a directory; pass a directory (it is made)")
+    return str(path)
 
 
 def _size(value: str) -> str:
@@ -39,9 +42,9 @@ def _size(value: str) -> str:
 
 
 RUN_OPTIONS: dict[str, tuple[str, str, Callable[[str], str]]] = {
-    "--trace": (TRACE_ENV, "DIR", _path),
+    "--trace": (TRACE_ENV, "DIR", _directory),
     "--plan": (PLAN_ENV, "FILE", _check_plan),
-    "--checkpoint-dir": (CHECKPOINT_DIR_ENV, "DIR", _path),
+    "--checkpoint-dir": (CHECKPOINT_DIR_ENV, "DIR", _directory),
     "--dp": (DP_ENV, "N", _size),
     "--tp": (TP_ENV, "N", _size),
 }
@@ -69,6 +72,7 @@ def take_run_options(tokens: Sequence[str]) -> list[str]:
     rest: list[str] = []
     tokens = list(tokens)
     taken: list[str] = []
+    exports: dict[str, str] = {}
     while tokens:
         token = tokens.pop(0)
         name, _, value = token.partition("=")
@@ -78,20 +82,47 @@ def take_run_options(tokens: Sequence[str]) -> list[str]:
                 if not tokens or tokens[0].startswith("-"):
                     raise ValueError(f"{name} needs a value: {name} {what} before the script")
                 value = tokens.pop(0)
-            os.environ[variable] = check(value)
+            exports[variable] = check(value)
             taken.append(f"{name} {value}")
             continue
         rest.append(token)
         if token.endswith(".py") or token in ("-m", "--module"):
-            return rest + tokens  # the script and its own arguments
-    for option in (t for t in taken if t.endswith(".py")):
+            tokens, rest = [], rest + tokens  # the script and its own arguments
+    for option in (t for t in taken if t.endswith(".py") and not _has_script(rest)):
         name, value = option.split(" ", 1)
         raise ValueError(
             f"no script to run: {name} took {value!r} as its {RUN_OPTIONS[name][1]}; give "
             f"{name} a value before the script: conveyor run [-n N] {name} "
             f"{RUN_OPTIONS[name][1]} script.py [script args]"
         )
-    return rest  # a script without .py (torchrun --no-python), or none: torchrun says so
+    _check_mesh(rest, exports)
+    os.environ.update(exports)  # only once every option is good
+    return rest  # without a .py: torchrun --no-python, or no script (torchrun says so)
+
+
+def _has_script(arguments: Sequence[str]) -> bool:
+    return any(a.endswith(".py") or a in ("-m", "--module") for a in arguments)
+
+
+def _check_mesh(arguments: Sequence[str], exports: dict[str, str]) -> None:
+    """Refuse --dp x --tp that the ranks of this one machine (-n) cannot hold, before any
+    rank starts."""
+    mesh = int(exports.get(DP_ENV, 1)) * int(exports.get(TP_ENV, 1))
+    if any(a.split("=")[0] in _MULTI_NODE for a in arguments):
+        return
+    count = "2"  # conveyor run's default
+    for index, argument in enumerate(arguments):
+        name, _, value = argument.partition("=")
+        if name in ("-n", "--nproc-per-node", "--nproc_per_node"):
+            count = value or (arguments[index + 1] if index + 1 < len(arguments) else count)
+            break
+        if argument.endswith(".py"):
+            break
+    if count.isdigit() and int(count) % mesh:
+        raise ValueError(
+            f"-n {count} ranks do not split into --dp {exports.get(DP_ENV, 1)} x --tp "
+            f"{exports.get(TP_ENV, 1)} x pipeline ranks; pass -n a multiple of {mesh}"
+        )
 
 
 def torchrun(arguments: list[str]) -> int:
@@ -107,6 +138,7 @@ def torchrun(arguments: list[str]) -> int:
     launch = launcher.parse_args(arguments)
     if int(launch.nproc_per_node) < 1:
         raise ValueError(f"-n must be >= 1, got {launch.nproc_per_node}")
+
     if not launch.module and not Path(launch.training_script).is_file():
         raise FileNotFoundError(
             f"script {launch.training_script!r} not found; usage: conveyor "
