@@ -90,7 +90,7 @@ class ExportedInputs:
                 wanted = rule.expected(seen)
                 problem = ""
                 if wanted is not None and actual != wanted:
-                    first = "" if isinstance(rule.size, int) else f" (as {seen_at(rule, seen)})"
+                    first = "" if isinstance(rule.size, int) else f" (as {_seen_at(rule, seen)})"
                     problem = f"only runs size {wanted} there{first}"
                 elif rule.size not in batch and not rule.holds_for(actual):
                     problem = (
@@ -135,8 +135,8 @@ class SizeRule:
         return f"{self.low} and up" if self.high is None else f"{self.low} to {self.high}"
 
 
-def seen_at(rule: SizeRule, seen: Mapping[Any, tuple[int, str]]) -> str:
-    """Where the sizes a symbolic rule depends on were read: 'of 'ids' dimension 1'."""
+def _seen_at(rule: SizeRule, seen: Mapping[Any, tuple[int, str]]) -> str:
+    """Where the sizes a symbolic rule depends on were read: "the size of 'ids' dimension 1"."""
     return "the size of " + ", ".join(seen[s][1] for s in sorted(rule.size.free_symbols, key=str))
 
 
