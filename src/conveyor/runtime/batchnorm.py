@@ -45,9 +45,10 @@ class _Recomputing:
 
     def __exit__(self, *exc: object) -> None:
         _recomputing.reset(self._tokens.pop())
-        with torch.no_grad():
-            for tensor, before in zip(self._stats, self._saved.pop(), strict=True):
-                tensor.copy_(before)
+        for tensor, before in zip(self._stats, self._saved.pop(), strict=True):
+            # through .data, as batch norm's own update: autograd saved these buffers for
+            # backward, and a tracked in-place write would fail that backward
+            tensor.data.copy_(before)
 
 
 def recompute_context(
