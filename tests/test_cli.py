@@ -77,6 +77,8 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
         ),
         (["trace", "runs", "--step", "5-3"], "expected a step N or a range FIRST-LAST"),
         (["run", "-n", "2", "--dp", "3", "x.py"], "-n 2 ranks do not split into --dp 3 x --tp 1"),
+        (["run", "-n4", "--dp", "3", "x.py"], "-n 4 ranks do not split into --dp 3"),
+        (["run", "--dp", "3", "x.py"], "-n 2 ranks do not split"),  # the default: 2 ranks
         (["run", "--trace", __file__, "x.py"], "is a file, not a directory"),
         (["simulate", "--png", "x.png"], "--png only works with --profile; add it or drop"),
         (["simulate", "--balance", "1", "1", "--chrome", "x"], "--balance, --chrome only work"),

@@ -72,6 +72,13 @@ def test_a_value_of_the_wrong_kind_is_refused_naming_the_field(
         PipelineConfig(**fields)  # type: ignore[arg-type]  # wrong on purpose
 
 
+def test_a_list_field_takes_any_iterable_of_entries() -> None:
+    import numpy as np
+
+    config = PipelineConfig(balance=np.array([3, 3]), placement=(r for r in [0, 1]))
+    assert (config.balance, config.placement) == ((3, 3), (0, 1))
+
+
 def test_counts_take_whole_floats_and_refuse_the_rest() -> None:
     config = PipelineConfig(num_microbatches=42.0, balance=(3.0, 5), virtual_stages=2.0)
     assert (config.num_microbatches, config.balance, config.virtual_stages) == (42, (3, 5), 2)

@@ -134,6 +134,19 @@ def _equivalence(rank: int, world_size: int) -> None:
     _sum_over_steps_with_a_weight_without_gradient(True, torch.float32)  # no PREMUL_SUM: gloo
     _a_stage_without_any_gradient()
     _generate_over_sharded_replicas()
+    _frozen_after_ddp_was_made()  # last: the refusal abandons the step
+
+
+def _frozen_after_ddp_was_made() -> None:
+    """DDP's reducer reduces the parameters it was made for: freezing one later is named
+    before the step runs, not left unreduced."""
+    pipe = conveyor.Pipeline(tied_model(), dp=2, num_microbatches=2, loss_fn=F.mse_loss)
+    for parameter in pipe.parameters():
+        if parameter.dim() == 1:  # a bias in every stage
+            parameter.requires_grad_(False)
+    x = torch.randn(4, 8).double()
+    with pytest.raises(RuntimeError, match="were frozen or unfrozen since the Pipeline was made"):
+        pipe.step(x, x)
 
 
 def _generate_over_sharded_replicas() -> None:

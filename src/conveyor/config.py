@@ -24,7 +24,7 @@ import numbers
 import operator
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -353,15 +353,18 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
 
 
 def _check_sequences(config: PipelineConfig) -> None:
-    """Refuse a string or a single value where a field takes a sequence: ``"12"`` would be
-    read as ``("1", "2")``."""
+    """Fields that take a sequence hold a tuple of any iterable given (a list, a numpy array,
+    a generator); a string or a single value is refused: ``"12"`` would be ``("1", "2")``."""
     for name, hint in _sequence_fields().items():
         value = getattr(config, name)
-        if value is not None and (isinstance(value, str) or not isinstance(value, Sequence)):
+        if value is None or isinstance(value, tuple):
+            continue
+        if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+            hint_one = f"; pass {name}=[{value!r}] for one entry" if isinstance(value, str) else ""
             raise TypeError(
-                f"{name} takes a list ({hint}), got {type(value).__name__} {value!r}; pass "
-                f"{name}=[{value!r}] for one entry"
+                f"{name} takes a list ({hint}), got {type(value).__name__} {value!r}{hint_one}"
             )
+        object.__setattr__(config, name, tuple(value))
 
 
 @functools.cache

@@ -8,6 +8,9 @@ is torchrun's.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import logging
 import os
 import shutil
@@ -104,20 +107,31 @@ def _has_script(arguments: Sequence[str]) -> bool:
     return any(a.endswith(".py") or a in ("-m", "--module") for a in arguments)
 
 
+def _launcher() -> argparse.ArgumentParser:
+    """torchrun's own parser, with ``-n`` for ``--nproc-per-node`` (default 2)."""
+    from torch.distributed.run import get_args_parser
+
+    launcher = get_args_parser()
+    launcher.add_argument("-n", dest="nproc_per_node", help="ranks per node")
+    launcher.set_defaults(nproc_per_node="2")  # over torchrun's 1, which argparse would keep
+    return launcher
+
+
 def _check_mesh(arguments: Sequence[str], exports: dict[str, str]) -> None:
     """Refuse --dp x --tp that the ranks of this one machine (-n) cannot hold, before any
     rank starts."""
     mesh = int(exports.get(DP_ENV, 1)) * int(exports.get(TP_ENV, 1))
-    if any(a.split("=")[0] in _MULTI_NODE for a in arguments):
+    if (
+        mesh == 1
+        or not _has_script(arguments)
+        or any(a.split("=")[0] in _MULTI_NODE for a in arguments)
+    ):
         return
-    count = "2"  # conveyor run's default
-    for index, argument in enumerate(arguments):
-        name, _, value = argument.partition("=")
-        if name in ("-n", "--nproc-per-node", "--nproc_per_node"):
-            count = value or (arguments[index + 1] if index + 1 < len(arguments) else count)
-            break
-        if argument.endswith(".py"):
-            break
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # torchrun reports its own errors
+            count = str(_launcher().parse_args(list(arguments)).nproc_per_node)
+    except SystemExit:
+        return
     if count.isdigit() and int(count) % mesh:
         raise ValueError(
             f"-n {count} ranks do not split into --dp {exports.get(DP_ENV, 1)} x --tp "
@@ -129,13 +143,11 @@ def torchrun(arguments: list[str]) -> int:
     """Start ranks with torchrun (torch.distributed.run); this machine alone unless the
     arguments name a rendezvous. Returns the exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     if not any(a.split("=")[0] in _MULTI_NODE for a in arguments):
         arguments = ["--standalone", *arguments]
-    launcher = get_args_parser()
-    launcher.add_argument("-n", dest="nproc_per_node", default="2", help="ranks per node")
-    launch = launcher.parse_args(arguments)
+    launch = _launcher().parse_args(arguments)
     if int(launch.nproc_per_node) < 1:
         raise ValueError(f"-n must be >= 1, got {launch.nproc_per_node}")
 

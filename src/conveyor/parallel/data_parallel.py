@@ -106,6 +106,13 @@ class DataParallel:
         self._before: list[torch.Tensor | None] = []
         _broadcast_from_first_replica(stages.values(), self.group)
         ignored = set(self.shared)
+        self._trainable = {
+            stage: _trainable(module, ignored)
+            for stage, module in stages.items()
+            if self.reduces_in_flight
+        }
+        """Per stage DDP's reducer reduces, the parameters it was made for."""
+        self._ignored = ignored
         self.in_flight: dict[int, _Buckets] = {}
         """Stages DDP's reducer reduces, by index; See Note [reductions in flight]."""
         self._fsdp: dict[int, FSDPModule] = {}
@@ -139,7 +146,21 @@ class DataParallel:
         done.
 
         See Note [one reduction per step].
+
+        Raises:
+            RuntimeError: parameters were frozen or unfrozen since a stage's reducer was made.
         """
+        for stage, made_for in self._trainable.items():
+            now = _trainable(self.stages[stage], self._ignored)
+            if now != made_for:
+                changed = sorted(now ^ made_for)
+                raise RuntimeError(
+                    f"stage {stage}: parameters {changed[:4]}{' ...' if len(changed) > 4 else ''}"
+                    " were frozen or unfrozen since the Pipeline was made, and data parallelism "
+                    "without FSDP reduces the parameters it was made with (DDP's reducer); "
+                    "pass fsdp=True (or a split-backward schedule such as zb-h1), which follow "
+                    "requires_grad at every step, or make the Pipeline after freezing"
+                )
         for fsdp in self._fsdp.values():
             fsdp.set_requires_gradient_sync(False)
             fsdp.set_reshard_after_backward(False)
@@ -297,6 +318,13 @@ def reduces_in_flight(fsdp: bool, split_backward: bool, tensor_parallel: bool = 
     See Note [reductions in flight].
     """
     return not fsdp and not split_backward and not tensor_parallel
+
+
+def _trainable(module: nn.Module, ignored: set[nn.Parameter]) -> frozenset[str]:
+    """Names of ``module``'s parameters that require gradients, but ``ignored``."""
+    return frozenset(
+        name for name, p in module.named_parameters() if p.requires_grad and p not in ignored
+    )
 
 
 class _Buckets:
