@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import conveyor
 from conveyor.models import gpt, gpt_loss, gpt_tp_plan, text_batches
@@ -52,6 +53,27 @@ def _tensor_parallel(rank: int, world_size: int) -> None:
         norm = pipe.clip_grad_norm_(0.5)  # each element counted once over dp, tp and pp
         expected_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
         torch.testing.assert_close(norm, expected_norm, rtol=0, atol=1e-12, msg=str(sizes))
+    model = gpt(seq_len=8, dim=16, num_layers=2, num_heads=2)
+    with pytest.raises(ValueError, match="'zb-h1' splits the backward into I and W, which"):
+        conveyor.Pipeline(model, tp_plan=gpt_tp_plan(), tp=2, schedule="zb-h1", loss_fn=gpt_loss)
+    _exported_stages_are_refused()
+
+
+def _exported_stages_are_refused() -> None:
+    """A model split through torch.export holds graph modules: nothing for a plan to shard."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=32, max_position_embeddings=16,
+    )  # fmt: skip
+    ids = torch.randint(0, 32, (4, 8))
+    plan = {"model.layers.*.mlp.gate_proj": ColwiseParallel()}
+    with pytest.raises(ValueError, match=r"was split through torch\.export, whose stages hold"):
+        conveyor.Pipeline(
+            LlamaForCausalLM(config), tp_plan=plan, tp=2, split_points=["model.layers.1"],
+            example_inputs={"input_ids": ids, "labels": ids},
+        )  # fmt: skip
 
 
 def test_tensor_parallel_stages_match_plain_training(tmp_path: Path) -> None:

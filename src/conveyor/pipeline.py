@@ -224,6 +224,7 @@ class Pipeline:
         if mesh is None:
             return None
         if mesh.tp_mesh is not None and tp_plan:
+            self._check_tensor_parallel()
             parallelize_stages(self.stages, mesh.tp_mesh, tp_plan)
         if mesh.dp_mesh is None or mesh.num_replicas == 1:
             if config.fsdp:
@@ -240,6 +241,29 @@ class Pipeline:
             reshard_after_forward=config.reshard_after_forward,
             reduction=config.loss_reduction,
         )
+
+    def _check_tensor_parallel(self) -> None:
+        """Refuse what tensor parallelism cannot run, before any message: split backward (its
+        weight gradients are DTensors, which it cannot keep from I to W), and stages split
+        through torch.export (their modules are graph modules, not the nn.Linear and
+        nn.Embedding a plan shards)."""
+        if any(a.kind is Kind.W for actions in self.program for a in actions):
+            raise ValueError(
+                f"schedule {self.config.schedule!r} splits the backward into I and W, which "
+                "tensor parallelism does not support; pick gpipe, 1f1b or interleaved-1f1b "
+                "with tp, or drop tp"
+            )
+        exported = [
+            s for s, module in self.stages.items()
+            if isinstance(module, fx.GraphModule) and module.meta.get(EXPORTED)
+        ]  # fmt: skip
+        if exported:
+            raise ValueError(
+                "tensor parallelism shards nn.Linear and nn.Embedding modules, but this model "
+                "was split through torch.export, whose stages hold graph modules (as Hugging "
+                "Face models are split); split it with tracer='fx' if torch.fx traces it, or "
+                "scale it with data parallelism (dp, fsdp=True) instead of tp"
+            )
 
     def _reduce_stage(self, stage: int) -> None:
         """Reduce a stage's gradients over the replicas as soon as its backward is done (a
