@@ -20,6 +20,7 @@ from conveyor.trace import (
     chrome_trace,
     load_run,
     render_grid,
+    trace_file_name,
     write_chrome,
     write_png,
 )
@@ -151,6 +152,24 @@ def _write_run(
         ]
         lines += [json.dumps({"step": s, "events": e}) for s, e in steps.items()]
         (directory / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_replicas_enter_a_step_each_at_its_own_pace(tmp_path: Path) -> None:
+    """Replica 1 starts 5 s after replica 0: nothing of replica 0 is clipped by it."""
+    for replica, start in ((0, 100.0), (1, 105.0)):
+        for rank in (0, 1):
+            head = {"rank": rank, "replica": replica, "meta": {"ranks": 2, "replicas": 2}}
+            event = [f"{rank}F0", start, start + rank + 1.0, 0, 0]
+            step = {"step": 0, "events": [event]}
+            path = tmp_path / trace_file_name(rank, replica)
+            path.write_text(json.dumps(head) + "\n" + json.dumps(step) + "\n")
+    timeline = load_run(tmp_path)
+    assert sorted((e.rank, e.start, e.end) for e in timeline.events) == [
+        (0, 0.0, 1.0),  # replica 0 from its own start, not clipped by replica 1's
+        (1, 0.0, 2.0),
+        (2, 5.0, 6.0),
+        (3, 5.0, 7.0),
+    ]
 
 
 def test_load_run_merges_one_step_from_when_every_rank_has_entered_it(tmp_path: Path) -> None:

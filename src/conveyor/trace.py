@@ -472,7 +472,8 @@ def load_run(
     every rank recorded), or of steps ``step`` to ``last_step`` on one time axis (the time
     between them, the optimizer's, shows as idle). The files of several replicas (and
     tensor-parallel ranks) become one Timeline, a row per (replica, tp rank, pipeline rank),
-    labelled ``replica R rank N``.
+    labelled ``replica R rank N``; each pipeline's step starts when its own last rank enters
+    it (replicas enter a step at their own pace).
 
     Raises:
         FileNotFoundError: the directory holds no trace files.
@@ -495,16 +496,22 @@ def load_run(
         )
     events: list[Event] = []
     origins = []
+    pipelines = sorted({key[:2] for key in rows})  # (replica, tp rank): each steps on its own
     for chosen in range(first, last + 1):
-        parts = [
-            Timeline(
-                len(rows), [Event(row, a, s, e, b, m) for a, s, e, b, m in per_row[key][chosen]]
-            )
-            for row, key in enumerate(rows)
-        ]
-        clipped, origin = _clipped(parts)
-        events += clipped
-        origins.append(origin)
+        starts = []
+        for pipeline in pipelines:
+            parts = [
+                Timeline(
+                    len(rows),
+                    [Event(row, a, s, e, b, m) for a, s, e, b, m in per_row[key][chosen]],
+                )
+                for row, key in enumerate(rows)
+                if key[:2] == pipeline
+            ]
+            clipped, start = _clipped(parts)
+            events += clipped
+            starts.append(start)
+        origins.append(min(starts))
     events.sort(key=lambda e: (e.rank, e.start))
     where = {"step": first} if first == last else {"steps": [first, last]}
     return Timeline(len(rows), events, "measured", {**meta, **where}).shifted(origins[0])
