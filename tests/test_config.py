@@ -147,3 +147,16 @@ def test_bad_plan_files_are_named(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"prediction": {}}))
     with pytest.raises(ValueError, match="has no 'pipeline' section"):
         read_plan(bad)
+
+
+def test_a_mesh_error_names_the_plan_file_that_sized_the_mesh(tmp_path: Path) -> None:
+    from conveyor.pipeline import _blame_plan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"pipeline": {"dp": 4, "schedule": "1f1b"}}))
+    error = ValueError("a world of 2 ranks does not factor into dp=4 x tp=1 x pp")
+    _blame_plan(error, plan)
+    assert error.__notes__ == [
+        f"the mesh sizes come from plan file {str(plan)!r}, made for another world; plan again "
+        "with `conveyor plan --world-size N` for this one"
+    ]

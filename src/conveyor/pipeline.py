@@ -18,7 +18,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from conveyor.config import PLAN_ENV, PipelineConfig, SplitMethod, resolve
+from conveyor.config import PLAN_ENV, PipelineConfig, SplitMethod, read_plan, resolve
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.huggingface import LABELS, initializer, label_counts, model_loss, takes_labels
@@ -120,7 +120,7 @@ class Pipeline:
         config = self.config = resolve(config, plan=plan, options=options)
         if config.keep_host_memory:
             keep_freed_memory()
-        self.mesh = _mesh(model, config, mesh, group, tp_plan)
+        self.mesh = _mesh(model, config, mesh, group, tp_plan, plan)
         """This rank's place in the dp x pp x tp mesh; None for one pipeline (no mesh)."""
         if self.mesh is not None:
             group = self.mesh.pp_group
@@ -750,9 +750,11 @@ def _mesh(
     mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
     tp_plan: TPPlan | None,
+    plan: str | os.PathLike[str] | None = None,
 ) -> PipelineMesh | None:
     """The mesh of ``mesh=`` or of the config's sizes (None: one pipeline over ``group``);
-    every check runs before any communication. See Note [pipeline mesh]."""
+    every check runs before any communication, and names a plan file that set the sizes.
+    See Note [pipeline mesh]."""
     sized = any(size not in (None, 1) for size in (config.dp, config.tp))
     if group is not None and (mesh is not None or sized):
         raise ValueError(
@@ -776,7 +778,11 @@ def _mesh(
     if group is not None:
         return None
     timeout = timedelta(seconds=config.timeout_s)
-    return pipeline_mesh(mesh, config.dp, config.pp, config.tp, dist.get_world_size(), timeout)
+    try:
+        return pipeline_mesh(mesh, config.dp, config.pp, config.tp, dist.get_world_size(), timeout)
+    except ValueError as error:
+        _blame_plan(error, plan)
+        raise
 
 
 def _module_names(model: nn.Module | StageGraph) -> list[str]:
@@ -866,6 +872,16 @@ def _split(
     split_points = _split_points(model, config, num_ranks)
     graph = split_model(model, split_points, config.placement, concrete_args, **traced)
     return split_points, graph
+
+
+def _blame_plan(error: ValueError, plan: str | os.PathLike[str] | None) -> None:
+    """Note on a mesh ``error`` the plan file that set the mesh's sizes, if one did."""
+    for path in (plan, os.environ.get(PLAN_ENV)):
+        if path and {"dp", "tp", "pp"} & set(read_plan(path)):
+            error.add_note(
+                f"the mesh sizes come from plan file {str(path)!r}, made for another world; "
+                "plan again with `conveyor plan --world-size N` for this one"
+            )
 
 
 def _check_targets(targets: Any, size: int | None) -> None:
