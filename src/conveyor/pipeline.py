@@ -190,9 +190,6 @@ class Pipeline:
         self.data_parallel = self._parallelize(tp_plan)
         """This rank's stages over the replicas (FSDP2), or None with one replica."""
         self.ties.rebind(self.stages)
-        self._abandoned: str | None = None
-        """What this Pipeline abandoned, after which it refuses to run; See Note [abandoned
-        step] in conveyor.runtime.comm."""
         self._runtime = Runtime(
             self.graph,
             self.rank,
@@ -452,19 +449,10 @@ class Pipeline:
     def _abandoning(self, doing: str) -> AbstractContextManager[None]:
         """On any error, tell the other ranks that this rank gives up ``doing``, and refuse
         to run again; See Note [abandoned step] in conveyor.runtime.comm."""
-        return self._p2p.abandoning(doing, self._give_up)
-
-    def _give_up(self, what: str) -> None:
-        self._abandoned = what
+        return self._p2p.abandoning(doing)
 
     def _check_usable(self) -> None:
-        if self._abandoned is not None:
-            raise RuntimeError(
-                f"rank {self.rank}: this Pipeline abandoned {self._abandoned} and closed its "
-                "connections to the other ranks; create a new Pipeline on every rank to go on "
-                "(over a new process group if you passed group=...)"
-            )
-        self._p2p.check_open()
+        self._p2p.check_usable("Pipeline")
 
     def generate(self, input_ids: Any, config: Any = None, **options: Any) -> torch.Tensor | None:
         """Generate after each prompt with a KV cache on every stage, over this Pipeline's

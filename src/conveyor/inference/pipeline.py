@@ -127,8 +127,6 @@ class DecodePipeline:
         )
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
         self._programs: dict[tuple[int, int, int, int | None], Program] = {}
-        self._abandoned: str | None = None
-        """The generation this rank gave up after an error, if any; it refuses to run then."""
         self.num_generations = 0
         self.stats: GenerationStats | None = None
         """Timings of the last generate call."""
@@ -376,19 +374,11 @@ class DecodePipeline:
         peer fails at once naming it, and refuse to generate again (Note [abandoned step])."""
         if self._runtime.p2p is None:
             return contextlib.nullcontext()
-        return self._runtime.p2p.abandoning(doing, self._give_up)
-
-    def _give_up(self, what: str) -> None:
-        self._abandoned = what
+        return self._runtime.p2p.abandoning(doing)
 
     def _check_usable(self) -> None:
-        if self._abandoned is not None:
-            raise RuntimeError(
-                f"rank {self.rank}: this DecodePipeline abandoned {self._abandoned} and closed "
-                "its connections to the other ranks; create a new one on every rank to go on"
-            )
         if self._runtime.p2p is not None:
-            self._runtime.p2p.check_open()
+            self._runtime.p2p.check_usable("DecodePipeline")
 
     def _check_materialized(self) -> None:
         """Refuse this rank's modules if they hold meta tensors: they have no values to run."""

@@ -6,7 +6,7 @@ import logging
 import pickle
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -115,6 +115,9 @@ class P2P:
         self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
         self.recorder: Recorder | None = None
         """Set to record waits and bytes sent (conveyor.trace); None costs nothing."""
+        self.given_up: str | None = None
+        """What this rank gave up after an error (a step, a generation), and why; its
+        connections are closed then. See Note [abandoned step]."""
 
     def send(self, value: Any, dst: int, describe: str, header: Meta | None = None) -> None:
         """Start sending ``value`` to group rank ``dst``, preceded by ``header`` if given."""
@@ -268,9 +271,9 @@ class P2P:
             _DIRECTIONS.clear()  # the next Pipeline makes new ones
 
     @contextmanager
-    def abandoning(self, doing: str, on_error: Callable[[str], None]) -> Iterator[None]:
+    def abandoning(self, doing: str) -> Iterator[None]:
         """Around work whose messages may be in flight: on any error (Ctrl-C too) but a
-        refusal of every rank at once, call ``on_error`` with what was given up and why, and
+        refusal of every rank at once, record what was given up and why (``given_up``) and
         ``abandon``, so the peers do not wait for this rank; the error goes on."""
         try:
             yield
@@ -279,12 +282,23 @@ class P2P:
         except BaseException as error:
             text = " ".join(str(error).split())
             text = text if len(text) <= 200 else text[:197] + "..."
-            on_error(f"{doing} ({type(error).__name__}: {text})")
+            self.given_up = f"{doing} ({type(error).__name__}: {text})"
             try:
                 self.abandon(doing, error)
             except Exception as failure:  # keep the work's own error: it is the cause
                 logger.warning("[rank %d] could not tell the other ranks: %s", self.rank, failure)
             raise
+
+    def check_usable(self, owner: str) -> None:
+        """Raise if ``owner`` (the Pipeline or DecodePipeline that talks over this transport)
+        gave up work and closed its connections, or another one closed its groups."""
+        if self.given_up is not None:
+            raise RuntimeError(
+                f"rank {self.rank}: this {owner} abandoned {self.given_up} and closed its "
+                f"connections to the other ranks; create a new {owner} on every rank to go on "
+                "(over a new process group if you passed group=...)"
+            )
+        self.check_open()
 
     def check_open(self) -> None:
         """Raise if a Pipeline that abandoned a step closed the groups this one talks over."""
