@@ -93,6 +93,25 @@ def _three_ranks(rank: int, world_size: int, warmup: int, steps: int) -> None:
     # an all_reduce per step kept 550-1,700 bytes (the flight recorder's entries); sent as
     # messages, under 20 (60 steps, measured): See Note [no collective per step]
     assert growth < 200, f"rank {rank}: the native heap grew {growth:.0f} bytes per step"
+    _frozen_on_one_rank(pipe, rank, x, y)
+
+
+def _frozen_on_one_rank(
+    pipe: conveyor.Pipeline, rank: int, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """A tie frozen on rank 1 only is refused on every rank, before the step; frozen on
+    every rank, it trains no more and its copies stay equal."""
+    (tied,) = pipe.ties.params
+    tied.param.requires_grad_(rank != 1)
+    with pytest.raises(
+        ValueError, match=r"frozen on rank\(s\) \[1\] and requires gradients on rank\(s\) \[0, 2\]"
+    ):
+        pipe.step(x, y)
+    tied.param.requires_grad_(False)
+    before = tied.param.detach().clone()
+    pipe.step(x, y)  # the pipeline is still usable: the refusal came before any message
+    torch.optim.SGD(pipe.parameters(), lr=0.01).step()
+    assert torch.equal(tied.param, before) and pipe.ties.max_difference() == 0.0
 
 
 def _heap_growth(

@@ -204,6 +204,8 @@ class Pipeline:
         self._decoder: DecodePipeline | None = None
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
+        if self.ties.across:
+            self._runtime.on_agreed = self.ties.check_frozen
         if self.data_parallel is not None:
             self._runtime.before_last_backward = self.data_parallel.arm
             self._runtime.on_weights_done = self._reduce_stage

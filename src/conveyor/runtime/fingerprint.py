@@ -32,6 +32,7 @@ __all__ = [
     "agree",
     "autocast_state",
     "digest",
+    "exchange",
     "fingerprint",
 ]
 
@@ -152,14 +153,8 @@ def agree(p2p: P2P, mine: Fingerprint, describe: str) -> tuple[int, ...]:
         CannotRunError: a rank cannot run (its ``problem``, or on the others, its name).
         PeerLostError: a peer did not answer within the timeout.
     """
-    what = f"the batch fingerprint of {describe}"
-    peers = [r for r in range(dist.get_world_size(p2p.group)) if r != p2p.rank]
-    message = mine.tensor()
-    for peer in peers:
-        p2p.send(message, peer, what)
-    posted = [(peer, p2p.post(peer, Meta.of(message), what)) for peer in peers]
-    theirs = {peer: Fingerprint.of_tensor(p2p.wait(receive)) for peer, receive in posted}
-    p2p.wait_sends()
+    received = exchange(p2p, mine.tensor(), f"the batch fingerprint of {describe}")
+    theirs = {peer: Fingerprint.of_tensor(message) for peer, message in received.items()}
     if mine.problem:
         raise CannotRunError(mine.problem)
     for peer, other in theirs.items():
@@ -172,6 +167,20 @@ def agree(p2p: P2P, mine: Fingerprint, describe: str) -> tuple[int, ...]:
             raise BatchMismatchError(_difference(p2p.rank, peer, mine, other, describe))
     theirs[p2p.rank] = mine
     return tuple(theirs[rank].trainable for rank in sorted(theirs))
+
+
+def exchange(p2p: P2P, message: torch.Tensor, what: str) -> dict[int, torch.Tensor]:
+    """Send ``message`` to every other rank of ``p2p``'s group and return theirs, by rank.
+
+    Collective: every rank calls it with a message of the same shape and dtype.
+    """
+    peers = [r for r in range(dist.get_world_size(p2p.group)) if r != p2p.rank]
+    for peer in peers:
+        p2p.send(message, peer, what)
+    posted = [(peer, p2p.post(peer, Meta.of(message), what)) for peer in peers]
+    theirs = {peer: p2p.wait(receive) for peer, receive in posted}
+    p2p.wait_sends()
+    return theirs
 
 
 def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, what: str) -> str:

@@ -113,6 +113,9 @@ class Runtime:
         """Called with a stage once the step's last action adding to its weight gradients (its
         last B or W) has run: data parallelism reduces that stage's gradients then, while the
         rest of the step runs (conveyor.parallel.data_parallel)."""
+        self.on_agreed: Callable[[tuple[int, ...]], None] | None = None
+        """Called with every rank's trainable digest once a training step's batch check
+        passed, before its first message: tied weights check their copies are frozen alike."""
         self.before_last_backward: Callable[[int, list[torch.Tensor]], None] | None = None
         """Called with a stage and the tensors its step's last B backpropagates from, just
         before it runs: data parallelism arms DDP's reducer then (conveyor.parallel)."""
@@ -162,6 +165,8 @@ class Runtime:
                 what = f"step {step.step_index}" if step.is_training else "a forward() call"
                 with self._as_one_wait("batch check" if self.graph.num_ranks > 1 else None):
                     self._trainable = agree(self.p2p, step.fingerprint, what)
+                    if self.on_agreed is not None and step.is_training:
+                        self.on_agreed(self._trainable)
             for index, action in enumerate(actions):
                 logger.debug("[rank %d] %s", self.rank, action)
                 if recorder is None:

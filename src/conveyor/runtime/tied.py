@@ -19,8 +19,10 @@ from torch import nn
 from conveyor.graph import StageGraph
 from conveyor.parallel.data_parallel import local
 from conveyor.runtime.comm import P2P, Meta, Receive
+from conveyor.runtime.fingerprint import exchange
+from conveyor.runtime.peers import StepRefused
 
-__all__ = ["SharedParameter", "Tie", "TiedWeights", "find_ties"]
+__all__ = ["SharedParameter", "Tie", "TiedFrozenError", "TiedWeights", "find_ties"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,10 @@ class TiedWeights:
         self.p2p = p2p
         self.params: list[SharedParameter] = []
         """This rank's tied Parameters that other ranks hold copies of."""
+        self.across = [tie for tie in ties if len(tie.ranks(graph)) > 1]
+        """Every tie held on more than one rank, this rank's or not: the same on every rank."""
+        self._checked: tuple[int, ...] | None = None
+        """Every rank's trainable digest when the copies were last found frozen alike."""
         for tie in ties:
             local = [(s, name) for s, name in tie.users if s in stages]
             if not local:
@@ -190,6 +196,34 @@ class TiedWeights:
                 shared.param.grad = old
             raise
         self._sum_gradients(before)
+
+    def check_frozen(self, trainable: tuple[int, ...]) -> None:
+        """Refuse a step in which a tie is frozen on one rank and trained on another: its
+        copies would drift apart. Collective over the pipeline's ranks, and run only when
+        ``trainable`` (every rank's digest of what requires gradients) changed.
+
+        Raises:
+            TiedFrozenError: on every rank, naming the tie and the ranks that disagree.
+        """
+        if trainable == self._checked:
+            return
+        held = {shared.tie: shared.param.requires_grad for shared in self.params}
+        mine = torch.tensor([held.get(tie, -1) for tie in self.across], dtype=torch.int64)
+        flags = exchange(self.p2p, mine, "which tied weights are frozen")
+        flags[self.rank] = mine
+        for index, tie in enumerate(self.across):
+            trained = {r: int(f[index]) for r, f in sorted(flags.items()) if f[index] >= 0}
+            if len(set(trained.values())) > 1:
+                frozen = [r for r, on in trained.items() if not on]
+                training = [r for r, on in trained.items() if on]
+                raise TiedFrozenError(
+                    f"rank {self.rank}: the weight {tie.name!r} is tied across stages "
+                    f"{[s for s, _ in tie.users]}, but is frozen on rank(s) {frozen} and "
+                    f"requires gradients on rank(s) {training}; its copies are one parameter, "
+                    "so set requires_grad alike on every rank that holds it (each rank's "
+                    "pipe.named_parameters() lists its copy)"
+                )
+        self._checked = trainable
 
     def max_difference(self) -> float:
         """Largest difference between this rank's copy of a tied value and the first
@@ -261,6 +295,10 @@ class TiedWeights:
         """An event for the tie exchange, carrying the bytes it sent (conveyor.trace)."""
         if self.p2p.recorder is not None and self.params:
             self.p2p.recorder.add(action, start, self.p2p.recorder.now())
+
+
+class TiedFrozenError(ValueError, StepRefused):
+    """A tied weight is frozen on some of its ranks and trained on others."""
 
 
 @dataclass(frozen=True)
