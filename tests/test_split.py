@@ -261,6 +261,32 @@ def test_an_input_the_trace_dropped_or_needs_is_refused_before_any_work() -> Non
     torch.testing.assert_close(run_stages(graph, bind_inputs(graph, x)), model(x))
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: int = 1, flag: bool = True) -> torch.Tensor:
+        h = self.a(x) * scale
+        return self.b(h.relu() if flag else h)
+
+
+def test_a_value_concrete_args_fixed_is_refused_when_the_batch_changes_it() -> None:
+    """fx keeps a concrete value in the graph: another one would fail mid-step in fx's own
+    assertion, so the binding refuses it first."""
+    x, model = torch.randn(2, 4), Scaled()
+    graph = split_model(model, ["b"], concrete_args={"scale": 3, "flag": True})
+    expected = model(x, scale=3)
+    for same in ({"x": x, "scale": 3}, (x, 3, True)):
+        torch.testing.assert_close(run_stages(graph, bind_inputs(graph, same)), expected)
+    with pytest.raises(ValueError, match=r"split with scale=3 \(concrete_args\).*binds scale=5"):
+        bind_inputs(graph, {"x": x, "scale": 5})
+    with pytest.raises(ValueError, match=r"binds scale=1 \(given, or forward's default\)"):
+        bind_inputs(graph, {"x": x})
+    with pytest.raises(ValueError, match="split with flag=True"):
+        bind_inputs(graph, (x, 3, False))
+
+
 class LengthBranch(nn.Module):
     """Branches on the sequence length, which torch.fx cannot trace and export fixes."""
 

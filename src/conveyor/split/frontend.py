@@ -93,7 +93,7 @@ def trace(
         return _exported(model, example_inputs)
     retrace = functools.partial(trace_graph, model, cut_at, concrete_args, leaf, hint)
     mode = _mode(model, graph, retrace)
-    return Traced(graph, model, TracedInputs(model, graph), None, "fx", mode)
+    return Traced(graph, model, TracedInputs(model, graph, concrete_args), None, "fx", mode)
 
 
 def _mode(model: nn.Module, graph: fx.Graph, retrace: Callable[[], fx.Graph]) -> bool | None:

@@ -117,8 +117,12 @@ class TracedInputs:
             specialized to None (``concrete_args``), or None for one the graph reads.
     """
 
-    def __init__(self, model: nn.Module, graph: fx.Graph) -> None:
+    def __init__(
+        self, model: nn.Module, graph: fx.Graph, concrete_args: Mapping[str, Any] | None = None
+    ) -> None:
         self.model = model
+        self.baked = {k: v for k, v in (concrete_args or {}).items() if v is not None}
+        """Inputs ``concrete_args`` fixed to a value: the graph keeps that value."""
         self.uses: dict[str, str] = {}
         """Input name -> 'never' (no node reads it), 'none' (only fx's check that it is None),
         'operates' (an operation of the traced code takes it: None would fail) or 'passes'
@@ -137,6 +141,15 @@ class TracedInputs:
     def __call__(self, inputs: Any) -> dict[str, Any]:
         bound = bind_inputs(self.model, inputs)
         forward = f"{type(self.model).__name__}.forward"
+        for name, baked in self.baked.items():
+            if name in bound and not _same(bound[name], baked):
+                raise ValueError(
+                    f"{type(self.model).__name__} was split with {name}={baked!r} "
+                    f"(concrete_args), which the traced graph keeps; this batch binds "
+                    f"{name}={bound[name]!r} (given, or forward's default). Pass "
+                    f"{name}={baked!r} in every batch, or build another Pipeline with "
+                    f"concrete_args={{{name!r}: {bound[name]!r}}}"
+                )
         for name, value in bound.items():
             use = self.uses.get(name)
             tensors = any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
@@ -163,3 +176,18 @@ class TracedInputs:
                     f"concrete_args={{{name!r}: None}} to split the forward without it"
                 )
         return bound
+
+
+def _same(value: Any, baked: Any) -> bool:
+    """Whether a batch's ``value`` is the ``baked`` one (tensors by value)."""
+    if isinstance(value, torch.Tensor) or isinstance(baked, torch.Tensor):
+        return (
+            isinstance(value, torch.Tensor)
+            and isinstance(baked, torch.Tensor)
+            and value.shape == baked.shape
+            and bool(torch.equal(value, baked))
+        )
+    try:
+        return bool(value == baked)
+    except (TypeError, ValueError, RuntimeError):  # no truth value: compare as objects
+        return value is baked
