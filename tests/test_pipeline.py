@@ -464,6 +464,8 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
         conveyor.Pipeline(tiny(4), schedule=3, loss_fn=F.mse_loss)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="loss_fn must be a function"):
         conveyor.Pipeline(tiny(4), loss_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Pass the uncompiled model and call pipe\.compile\(\)"):
+        conveyor.Pipeline(torch.compile(tiny(4)), balance=[2, 2], loss_fn=F.mse_loss)
     if not torch.cuda.is_available():  # a CPU build of torch, or no GPU
         with pytest.raises(ValueError, match="sees no cuda device here; pass device='cpu'"):
             conveyor.Pipeline(tiny(4), device="cuda", loss_fn=F.mse_loss)

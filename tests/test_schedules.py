@@ -22,6 +22,7 @@ from conveyor.schedule import (
     layout_of,
     one_f_one_b,
     schedule_name,
+    stage_placement,
     validate,
     zb_h1,
     zb_v,
@@ -272,7 +273,7 @@ def test_place() -> None:
 
 
 def test_layouts() -> None:
-    assert layout_of("zb-v") == Layout(2, "v")
+    assert layout_of("zb-v") == Layout(2, "v", exact=True)
     assert layout_of("interleaved-1f1b") == Layout(2, "loop")
     assert layout_of("1f1b") == Layout() == layout_of("my_schedule.txt")
     assert set(LAYOUTS) <= set(SCHEDULES)
@@ -280,7 +281,7 @@ def test_layouts() -> None:
 
 def test_a_schedule_function_is_named_in_configs_and_logs() -> None:
     """A shipped function by its name, so it gets its layout; any other by where it lives."""
-    assert schedule_name(zb_v) == "zb-v" and layout_of(schedule_name(zb_v)) == Layout(2, "v")
+    assert schedule_name(zb_v) == "zb-v" and layout_of(schedule_name(zb_v)) == LAYOUTS["zb-v"]
     assert schedule_name(interleaved_1f1b) == "interleaved-1f1b"
     assert schedule_name("mine.txt") == "mine.txt"
 
@@ -290,6 +291,25 @@ def test_a_schedule_function_is_named_in_configs_and_logs() -> None:
     assert schedule_name(mine).endswith(
         ".test_a_schedule_function_is_named_in_configs_and_logs.<locals>.mine"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "num_stages", "message"),
+    [
+        ("zb-v", 3, "needs 2 stages on each rank: 4 on 2 ranks, but the split makes 3"),
+        ("zb-v", 2, "give a balance of 4 entries"),
+        ("zb-v", 6, "needs 2 stages on each rank"),
+        ("interleaved-1f1b", 3, "the same number of stages on each of the 2 ranks"),
+    ],
+)
+def test_a_stage_count_a_layout_cannot_place_is_named(
+    name: str, num_stages: int, message: str
+) -> None:
+    """Before the split: '3 stages on 2 ranks, launch with -n 3' cannot help ZB-V."""
+    with pytest.raises(ValueError, match=message):
+        stage_placement(name, 2, num_stages=num_stages)
+    assert stage_placement("1f1b", 2, num_stages=3) == [0, 1, 2]  # the split says -n 3
+    assert stage_placement("interleaved-1f1b", 2, num_stages=6) == [0, 1, 0, 1, 0, 1]
 
 
 @pytest.mark.parametrize(

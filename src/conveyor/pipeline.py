@@ -61,7 +61,7 @@ from conveyor.split import (
 from conveyor.split.auto import auto_split
 from conveyor.split.export import place_on
 from conveyor.split.stages import EXPORTED
-from conveyor.torch_compat import pytree
+from conveyor.torch_compat import is_compiled, pytree
 from conveyor.trace import REDUCE, Recorder, Timeline, merge, trace_file_name
 from conveyor.training import clip_grad_norm_, share_loss
 from conveyor.uninitialized import Unset
@@ -109,6 +109,12 @@ class Pipeline:
                 "torch.distributed is not initialized; launch with `conveyor run "
                 "-n N script.py` (or torchrun) and call "
                 "torch.distributed.init_process_group() before Pipeline(...)"
+            )
+        if is_compiled(model):
+            raise TypeError(
+                "the model was compiled (torch.compile(model)), which cannot be split: it is "
+                "one compiled graph around the whole model. Pass the uncompiled model and call pipe.compile() "
+                "to compile each stage on its own rank"
             )
         if schedule is not None:
             options["schedule"] = schedule_name(schedule)

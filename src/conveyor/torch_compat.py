@@ -131,6 +131,14 @@ def grad_unchecked(
     return found
 
 
+def is_compiled(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (an OptimizedModule, which
+    torch exports under ``torch._dynamo`` only)."""
+    from torch._dynamo.eval_frame import OptimizedModule  # private: see above
+
+    return isinstance(module, OptimizedModule)
+
+
 def tensor_version(tensor: torch.Tensor) -> int:
     """How many in-place writes ``tensor`` has seen (autograd's version counter, which it uses
     to catch saved tensors modified in place). No public API exposes it; conveyor uses it to

@@ -26,11 +26,13 @@ class Layout:
     """Stages per rank when the split does not say (balance or split points do)."""
     placement: PlacementStyle = "loop"
     """'loop': stage s on rank s mod p; 'v': down the ranks and back (see graph.place)."""
+    exact: bool = False
+    """Whether the schedule runs ``virtual_stages`` per rank only (ZB-V's V of two)."""
 
 
 LAYOUTS: dict[str, Layout] = {
     "interleaved-1f1b": Layout(virtual_stages=2, placement="loop"),
-    "zb-v": Layout(virtual_stages=2, placement="v"),
+    "zb-v": Layout(virtual_stages=2, placement="v", exact=True),
 }
 """Layouts of the schedules that need more than one stage per rank; others use Layout()."""
 
@@ -52,11 +54,12 @@ def stage_placement(
 
     ``num_stages`` is what the split fixes (balance, split points), else ``virtual_stages``
     per rank (default: the schedule's); stages share ranks by ``style`` (default: the
-    schedule's). A stage count that is not a multiple of the ranks keeps stage i on rank i,
-    so the split can say that the counts do not match.
+    schedule's). For a schedule of one stage per rank, a stage count that is not a multiple
+    of the ranks keeps stage i on rank i, so the split can say that the counts do not match.
 
     Raises:
-        ValueError: ``virtual_stages`` and ``num_stages`` disagree, or a count is below 1.
+        ValueError: ``virtual_stages`` and ``num_stages`` disagree, a count is below 1, or
+            the stage count does not fit a schedule of several stages per rank.
     """
     wanted = layout_of(schedule)
     per_rank = virtual_stages or wanted.virtual_stages
@@ -69,9 +72,29 @@ def stage_placement(
             "drop virtual_stages or give a split with that many stages"
         )
     num_stages = num_stages or per_rank * num_ranks
+    _check_stage_count(schedule, wanted, num_stages, num_ranks)
     if num_stages % num_ranks:
         return list(range(num_stages))
     return place(num_stages, num_ranks, style or wanted.placement)
+
+
+def _check_stage_count(
+    schedule: str | Schedule, wanted: Layout, num_stages: int, num_ranks: int
+) -> None:
+    """Refuse a split whose stage count a schedule of several stages per rank cannot place."""
+    if schedule not in LAYOUTS:
+        return
+    needed = wanted.virtual_stages * num_ranks
+    if wanted.exact and num_stages != needed:
+        wants = f"{wanted.virtual_stages} stages on each rank: {needed} on {num_ranks} ranks"
+    elif num_stages % num_ranks:
+        wants = f"the same number of stages on each of the {num_ranks} ranks"
+    else:
+        return
+    raise ValueError(
+        f"schedule {schedule!r} needs {wants}, but the split makes {num_stages}; give a "
+        f"balance of {needed} entries (or {needed - 1} split points)"
+    )
 
 
 def schedules_for(graph: StageGraph) -> str:
