@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import conveyor
+from conveyor.huggingface import label_counts
 from conveyor.split.export import export_model
 from dist import run_ranks
 
@@ -95,6 +96,59 @@ def check_against_plain(
         )
         parameter.grad = None
     plain.zero_grad()
+
+
+def marian() -> nn.Module:
+    config = transformers.MarianConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
+        pad_token_id=0, decoder_start_token_id=0, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.MarianMTModel(config)  # no loss_type: its forward computes its loss
+
+
+def llava() -> nn.Module:
+    text = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=VOCAB,
+    )  # fmt: skip
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=16, patch_size=8,
+    )  # fmt: skip
+    config = transformers.LlavaConfig(
+        text_config=text, vision_config=vision, image_token_id=VOCAB - 1
+    )  # "ForConditionalGeneration", and transformers' causal loss
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+def xlnet() -> nn.Module:
+    config = transformers.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=1, n_head=2, d_inner=32)
+    return transformers.XLNetLMHeadModel(config)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama, t5, bert, marian, llava], ids=lambda b: b.__name__)
+def test_micro_batches_weighted_by_their_counted_labels_make_the_full_batch_loss(build) -> None:  # type: ignore[no-untyped-def]
+    """What label_counts counts is what each model's own loss averages over: shifted tokens
+    for causal LMs (also a vision-language model's "ForConditionalGeneration"), unshifted ones
+    for encoder-decoders and masked LMs, whether or not transformers names the loss."""
+    torch.manual_seed(0)
+    model = build().eval()
+    batch = text_batch(masked_lm=build is bert)
+    chunks = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    counts = label_counts(model, [chunk["labels"] for chunk in chunks])
+    with torch.no_grad():
+        losses = torch.stack([model(**chunk).loss for chunk in chunks])
+        expected = model(**batch).loss
+    weights = torch.tensor(counts, dtype=losses.dtype) / sum(counts)
+    torch.testing.assert_close((losses * weights).sum(), expected)
+
+
+def test_a_loss_nothing_describes_is_refused_naming_loss_fn() -> None:
+    """XLNet's LM head computes its loss in its forward, and transformers gives it no
+    loss_type: conveyor cannot tell what it averages over, so it asks for a loss_fn."""
+    with pytest.raises(ValueError, match=r"XLNetLMHeadModel computes its loss in its own forward"):
+        label_counts(xlnet(), [text_batch()["labels"]])
 
 
 LLAMA_QUARTERS = ["model.layers.1", "model.layers.2", "model.layers.3"]

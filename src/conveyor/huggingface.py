@@ -7,7 +7,7 @@ conveyor does not import transformers; it recognises its conventions. A model wh
 takes ``labels`` and returns an output with a ``loss`` (a ``ModelOutput``) computes its own
 loss; a token-level loss (labels with a sequence dimension) is a mean over the tokens not
 marked -100, shifted by one for a causal language model, so the step weighs micro-batches by
-those counts (conveyor.runtime.loss).
+those counts (conveyor.runtime.loss). ``shifts_labels`` says which counting a model's loss uses.
 """
 
 from __future__ import annotations
@@ -84,11 +84,41 @@ def initializer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
     return initialize
 
 
-def shifts_labels(model: nn.Module) -> bool:
-    """Whether the model's own loss predicts labels shifted by one (a causal language model:
-    transformers' ``ForCausalLM`` loss, also its default when a model names none)."""
+_SHIFTED_LOSSES = ("ForCausalLM", "ForConditionalGeneration")
+"""transformers' loss types whose ``loss_function`` is its causal loss (labels shifted by
+one): ``ForConditionalGeneration`` is, for the decoder-only vision-language models that call
+it; encoder-decoders compute theirs in their forward, on unshifted decoder labels."""
+
+
+def shifts_labels(model: nn.Module) -> bool | None:
+    """Whether the model's own token-level loss predicts labels shifted by one (True), reads
+    them in place (False), or None when nothing says which.
+
+    transformers gives a model a ``loss_type`` from its class name, and its ``loss_function``
+    is the causal loss when there is none; but many models compute their loss in their own
+    forward instead (encoder-decoders, masked LMs, XLNet, BERT's pre-training sum of two
+    means), whatever ``loss_type`` says. So the forward's own code decides which applies."""
+    if not is_transformers_model(model):
+        return False
     loss_type = getattr(model, "loss_type", None)
-    return is_transformers_model(model) and loss_type in (None, "ForCausalLM")
+    if _calls_loss_function(model):
+        return (loss_type or "ForCausalLM") in _SHIFTED_LOSSES
+    if loss_type == "ForCausalLM":
+        return True
+    if loss_type is not None or getattr(
+        getattr(model, "config", None), "is_encoder_decoder", False
+    ):
+        return False
+    return None
+
+
+def _calls_loss_function(model: nn.Module) -> bool:
+    """Whether the model's forward computes its loss with transformers' ``loss_function``."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):  # no source (built at run time): it cannot be told
+        return False
+    return "self.loss_function(" in source
 
 
 def label_counts(model: nn.Module, labels: list[Any]) -> list[int]:
@@ -102,5 +132,14 @@ def label_counts(model: nn.Module, labels: list[Any]) -> list[int]:
                 f"labels must be a tensor for the model's own loss, got {type(chunk).__name__}"
             )
         token_level = chunk.dim() >= 2 and not chunk.is_floating_point()
-        counts.append(counted_tokens(chunk, shift) if token_level else int(chunk.shape[0]))
+        if token_level and shift is None:
+            raise ValueError(
+                f"{type(model).__name__} computes its loss in its own forward, and nothing "
+                "says what it averages over (transformers gives it no loss_type): shifted or "
+                "unshifted tokens, or a sum of several means. The micro-batches could not be "
+                "weighted to make the step's loss the full batch's. Pass loss_fn=(outputs, "
+                "targets) -> loss and the labels as targets, with loss_reduction='token_mean' "
+                "for a mean over the tokens whose label is not -100"
+            )
+        counts.append(counted_tokens(chunk, bool(shift)) if token_level else int(chunk.shape[0]))
     return counts
