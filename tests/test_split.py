@@ -102,6 +102,7 @@ def test_split_a_model_on_the_meta_device_allocates_nothing() -> None:
     ("points", "message"),
     [
         (["layers.9"], "split point 'layers.9' is not a submodule"),
+        (["layer.2"], r"did you mean one of \['layers.2', "),
         (["layers.3", "layers.1"], "list split points in the order forward calls them"),
         (["layers.1", "layers.1"], "repeat a name"),
     ],

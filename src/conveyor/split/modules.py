@@ -14,7 +14,7 @@ from torch import fx, nn
 from conveyor.graph import StageGraph
 from conveyor.split.frontend import Tracer, module_path, trace
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS
+from conveyor.split.tracing import COMPUTE_OPS, unknown_module
 
 __all__ = ["StageAnnotation", "split_by_modules"]
 
@@ -85,14 +85,9 @@ def _stage_table(model: nn.Module, stages: StageAnnotation) -> dict[str, int]:
                     )
                 table[name] = index
     known = {name for name, _ in model.named_modules() if name}
-    children = [name for name, _ in model.named_children()]
     for name in table:
         if name not in known:
-            raise ValueError(
-                f"annotated module {name!r} is not a submodule of "
-                f"{type(model).__name__}; expected qualified names such as "
-                f"{children[:6]}"
-            )
+            raise unknown_module(model, name, "annotated module")
     used = sorted(set(table.values()))
     if not table or used != list(range(len(used))):
         raise ValueError(

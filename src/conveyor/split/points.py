@@ -15,7 +15,7 @@ from conveyor.graph import StageGraph
 from conveyor.split.frontend import Tracer, module_path, trace, within
 from conveyor.split.skip import has_skips, verify_skips
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS
+from conveyor.split.tracing import COMPUTE_OPS, unknown_module
 
 __all__ = ["balance_to_split_points", "even_balance", "split_model"]
 
@@ -117,12 +117,7 @@ def _check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
     names = {name for name, _ in model.named_modules() if name}
     for point in split_points:
         if point not in names:
-            children = [name for name, _ in model.named_children()]
-            raise ValueError(
-                f"split point {point!r} is not a submodule of "
-                f"{type(model).__name__}; expected qualified names such as "
-                f"{children[:6]}"
-            )
+            raise unknown_module(model, point, "split point")
     if len(set(split_points)) != len(split_points):
         raise ValueError(f"split points {list(split_points)} repeat a name; give each once")
 

@@ -7,6 +7,7 @@ the line of user code, and says how to avoid tracing it.
 
 from __future__ import annotations
 
+import difflib
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -177,3 +178,15 @@ def module_path(node: fx.Node) -> str:
 def within(path: str, prefix: str) -> bool:
     """Whether submodule ``path`` is ``prefix`` or inside it."""
     return path == prefix or path.startswith(prefix + ".")
+
+
+def unknown_module(model: nn.Module, name: str, what: str) -> ValueError:
+    """The error for a ``what`` (a split point, an annotated module) naming no submodule of
+    ``model``: it offers the closest names (``vit.layers.2`` for ``vit.encoder.layer.2``)."""
+    names = [n for n, _ in model.named_modules() if n]
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    offered = close or [n for n, _ in model.named_children()][:6]
+    return ValueError(
+        f"{what} {name!r} is not a submodule of {type(model).__name__}; "
+        f"{'did you mean one of' if close else 'expected qualified names such as'} {offered}?"
+    )
