@@ -487,6 +487,29 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
     assert pipe.step(x, x) is not None  # initialized now: it trains
 
 
+class Aliased(nn.Module):
+    """A module registered under two names, used by both stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.middle, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.again = self.shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.again(self.middle(self.shared(x).tanh()).tanh()))
+
+
+def test_state_dict_keeps_every_name_of_a_module_registered_twice(one_rank: None) -> None:
+    model = Aliased()
+    pipe = conveyor.Pipeline(model, split_points=["middle"], schedule="gpipe", loss_fn=F.mse_loss)
+    state = pipe.state_dict()
+    assert sorted(state) == sorted(model.state_dict())
+    plain = Aliased()
+    plain.load_state_dict(state)  # strict: every name is there
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(plain(x), model(x))
+
+
 def test_an_index_error_in_a_stage_names_the_stage_and_the_likely_cause(
     one_rank: None, tmp_path: Path
 ) -> None:

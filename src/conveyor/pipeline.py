@@ -178,6 +178,8 @@ class Pipeline:
         """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
         self.stages = self._materialize(ties, weights)
         self._tied_names = ties
+        self._aliases = _aliases(model, self.graph)
+        """A held tensor's other names in the plain model that no stage holds."""
         if not any(True for _ in self.parameters()):
             logger.warning(
                 "rank %d holds no parameters (stages %s); torch.optim refuses an empty "
@@ -646,10 +648,14 @@ class Pipeline:
                     yield name, p
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers, keyed like the plain model's state_dict."""
+        """This rank's parameters and buffers, keyed like the plain model's state_dict (a
+        module registered under two names, under both)."""
         state: dict[str, torch.Tensor] = {}
         for module in self.stages.values():
             state.update(module.state_dict())
+        for name, others in self._aliases.items():
+            if name in state:
+                state.update(dict.fromkeys(others, state[name]))
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -792,6 +798,24 @@ def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
         return f"split before {list(split_points)}"
     edges = [f"{s.index}->{c}" for s in graph.stages for c in graph.consumers(s.index)]
     return f"graph depth={graph.depth} edges={edges}"
+
+
+def _aliases(model: nn.Module | StageGraph, graph: StageGraph) -> dict[str, list[str]]:
+    """Names of the plain model's tensors that no stage holds, under the name a stage holds
+    the same tensor by: a module registered twice (``self.out = self.shared``) is traced by
+    one of its names, while the plain state_dict has both."""
+    if not isinstance(model, nn.Module):
+        return {}
+    held = {n for st in graph.stages if st.module is not None for n in st.module.state_dict()}
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    aliases: dict[str, list[str]] = {}
+    for names in by_tensor.values():
+        kept = [n for n in names if n in held]
+        if kept and len(kept) < len(names):
+            aliases[kept[0]] = [n for n in names if n not in held]
+    return aliases
 
 
 def _split_as_planned(
