@@ -113,8 +113,8 @@ class Pipeline:
         if is_compiled(model):
             raise TypeError(
                 "the model was compiled (torch.compile(model)), which cannot be split: it is "
-                "one compiled graph around the whole model. Pass the uncompiled model and call pipe.compile() "
-                "to compile each stage on its own rank"
+                "one compiled graph around the whole model. Pass the uncompiled model and "
+                "call pipe.compile() to compile each stage on its own rank"
             )
         if schedule is not None:
             options["schedule"] = schedule_name(schedule)
