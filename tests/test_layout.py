@@ -72,22 +72,33 @@ def test_imports_run_one_way() -> None:
             visit(name, [name])
 
 
-@pytest.mark.timeout(300)  # ~80 fresh imports of conveyor in one interpreter
+@pytest.mark.timeout(300)  # ~80 fresh imports of conveyor, in two interpreters at once
 def test_every_module_imports_alone() -> None:
-    # one interpreter (torch loads once); conveyor is forgotten before each module; entry
-    # points (__main__) run a command when imported, so they are left out
+    # an interpreter per half (torch loads once in each); conveyor is forgotten before each
+    # module; entry points (__main__) run a command when imported, so they are left out
     names = sorted(name for name in _modules() if not name.endswith("__main__"))
-    code = (
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _import_each(names[half::2])],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for half in (0, 1)
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-2000:]
+
+
+def _import_each(names: list[str]) -> str:
+    """Code that imports each of ``names`` with no conveyor module loaded before it."""
+    return (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"
         "    for loaded in [m for m in sys.modules if m.split('.')[0] == 'conveyor']:\n"
         "        del sys.modules[loaded]\n"
         "    importlib.import_module(name)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_each_module_says_what_it_holds_and_what_it_exports() -> None:
