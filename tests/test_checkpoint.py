@@ -8,6 +8,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -161,6 +163,7 @@ def test_list_checkpoints_is_newest_first_and_ignores_temporaries(tmp_path: Path
         (tmp_path / name).mkdir()
     assert [step for step, _ in list_checkpoints(tmp_path)] == [10, 2]
     assert list_checkpoints(tmp_path / "absent") == []
+    assert list_checkpoints(str(tmp_path)) == list_checkpoints(tmp_path)  # a str path too
 
 
 def test_checkpoint_config_rejects_bad_values() -> None:
@@ -247,7 +250,7 @@ def test_damaged_checkpoint_is_named_with_its_file_and_cause(
     saved: Path, tmp_path: Path, kind: str
 ) -> None:
     checkpoint = _copy(saved, tmp_path)
-    verify(checkpoint)  # intact before the damage
+    verify(checkpoint), verify(str(checkpoint))  # intact before the damage; a str path too
     damage, message = DAMAGE[kind]
     damage(checkpoint)
     pattern = f"checkpoint {re.escape(str(checkpoint))}: {message}"
@@ -307,6 +310,7 @@ def test_manifest_records_every_file_and_the_configuration(saved: Path) -> None:
     assert (layout["schedule"], layout["num_microbatches"]) == ("1f1b", 4)
     assert manifest.step == 4 and manifest.world_size == 2
     assert sorted(p.name for p in (saved / "ckpt").iterdir()) == [
+        ".lock",  # the run's lock on the directory: held by no one now
         "step-00000002",
         "step-00000004",
     ]  # nothing temporary left
@@ -326,11 +330,12 @@ def _resume(rank: int, world_size: int, root: str) -> None:
             reference.ckpt.close()
             published = [step for step, _ in list_checkpoints(directory / "reference")]
             assert published == [8, 6, 4]  # every=2, keep=3: older ones deleted
-            assert all(p.name.startswith("step-") for p in (directory / "reference").iterdir())
+            leftovers = [p.name for p in (directory / "reference").iterdir()]
+            assert all(name.startswith("step-") or name == ".lock" for name in leftovers)
 
             first = Run(directory / "run", **options)
             assert first.train(0, 5) == expected[:5]  # saved at 2 and 4, lost after 5
-            first.ckpt.wait()
+            first.ckpt.close()  # the process is lost: its lock on the directory with it
             saved_rng = (torch.get_rng_state(), random.getstate())
             torch.manual_seed(123)  # a restarted process starts elsewhere
             random.seed(123)
@@ -424,7 +429,7 @@ def _reshard(rank: int, world_size: int, root: str) -> None:
         match=r"manifest\.json: configuration mismatch: .*"
         r"split_points \['2'\] -> \['1'\].*allow_reshard=True",
     ):
-        Run(Path(root) / "refused", pipeline={"balance": (1, 3)}).ckpt.load(checkpoint)
+        Run(Path(root) / "refused-split", pipeline={"balance": (1, 3)}).ckpt.load(checkpoint)
     with pytest.raises(
         CheckpointError,
         match=r"num_microbatches 4 -> 8.*"
@@ -725,7 +730,7 @@ def _unused_head(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(0)
     first = Run(Path(root) / "run", model=WithAuxiliaryHead(), **options)
     assert first.train(0, 5) == expected[:5]
-    first.ckpt.wait()
+    first.ckpt.close()  # the process is lost: its lock on the directory with it
     torch.manual_seed(0)
     second = Run(Path(root) / "run", model=WithAuxiliaryHead(), **options)
     assert second.ckpt.resume_latest() == 4
@@ -739,3 +744,31 @@ def _unused_head(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_a_head_the_forward_never_calls_is_saved_and_resumed(tmp_path: Path) -> None:
     run_ranks(_unused_head, tmp_path, 2, timeout_s=200, root=str(tmp_path))
+
+
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(
+    one_rank: None, tmp_path: Path
+) -> None:
+    """Two runs on one directory would take each other's checkpoints and sweep each other's
+    saves in progress: the coordinator locks the directory while its Checkpointer is open."""
+    pipe = conveyor.Pipeline(nn.Sequential(nn.Linear(4, 4)), loss_fn=nn.functional.mse_loss)
+    directory = tmp_path / "ckpt"
+    first = Checkpointer(pipe, directory=directory)
+    other_process = subprocess.run(
+        [sys.executable, "-c", _TAKE_LOCK, str(directory)], capture_output=True, text=True
+    )
+    assert f"another run is using this checkpoint directory (pid {os.getpid()} on" in (
+        other_process.stderr
+    )
+    with pytest.raises(CheckpointError, match="a Checkpointer of this process on the same"):
+        Checkpointer(pipe, directory=directory)
+    first.close()  # the lock goes with it (or with the process, if it dies)
+    Checkpointer(pipe, directory=directory).close()
+
+
+_TAKE_LOCK = """
+import sys
+from pathlib import Path
+from conveyor.checkpoint.lock import DirectoryLock
+DirectoryLock.take(Path(sys.argv[1]))
+"""

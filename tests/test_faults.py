@@ -105,7 +105,7 @@ def _disk_full(rank: int, world_size: int, root: str, async_save: bool) -> None:
     dist.barrier()
     assert [step for step, _ in list_checkpoints(directory)] == [2]
     verify(directory / "step-00000002")
-    assert sorted(p.name for p in directory.iterdir()) == ["step-00000002"]  # no debris
+    assert sorted(p.name for p in directory.iterdir()) == [".lock", "step-00000002"]  # no debris
     run.train(4, 6)  # space again: the next save goes through
     run.ckpt.close()
     assert [step for step, _ in list_checkpoints(directory)] == [6, 2]

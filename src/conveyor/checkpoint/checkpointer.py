@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 from torch.distributed.checkpoint.state_dict_saver import save as save_state
 
 from conveyor.checkpoint.compat import check_keys, check_layout
+from conveyor.checkpoint.lock import DirectoryLock
 from conveyor.checkpoint.manifest import (
     MANIFEST,
     METADATA,
@@ -182,8 +183,14 @@ class Checkpointer:
         self.skipped: list[CheckpointError] = []
         """Invalid checkpoints that ``resume_latest`` passed over."""
         self._hooks = faults.install(pipe, optimizer)
+        self._lock = DirectoryLock(None)
+        """The coordinator's lock on the directory, held until close()."""
         self._run_id = self._on_coordinator(self._start, "creating the checkpoint directory")
-        self._check_writable()
+        try:
+            self._check_writable()
+        except BaseException:
+            self._lock.release()
+            raise
         atexit.register(_report_unfinished, weakref.ref(self))
 
     # -- saving --------------------------------------------------------------------------
@@ -257,6 +264,7 @@ class Checkpointer:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._stager.close()
+            self._lock.release()
             for hook in self._hooks:
                 hook.remove()
 
@@ -426,6 +434,7 @@ class Checkpointer:
             )
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock = DirectoryLock.take(self.directory)  # before sweeping: See lock.py
             names = os.listdir(self.directory)
         except OSError as error:
             raise CheckpointError(

@@ -108,12 +108,13 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Published checkpoints (``step-*`` directories) in ``directory``, newest first.
 
     Raises:
         CheckpointError: ``directory`` exists but cannot be listed.
     """
+    directory = Path(directory)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -242,12 +243,13 @@ def check_metadata(path: Path, manifest: Manifest) -> tuple[Metadata | None, lis
     return metadata, problems
 
 
-def verify(path: Path) -> Manifest:
+def verify(path: str | os.PathLike[str]) -> Manifest:
     """Check everything on this process: manifest, every file's size and SHA-256, metadata.
 
     Raises:
         CheckpointError: naming the first problem found (and how many more there are).
     """
+    path = Path(path)
     manifest = read_manifest(path)
     problems = check_files(path, manifest, sorted(manifest.files))
     if not problems:
