@@ -485,6 +485,13 @@ def test_api_mistakes_say_what_to_write(one_rank: None, caplog: pytest.LogCaptur
         pipe.step(x, x)
     pipe.load_state_dict({**tiny(2).state_dict(), "1.shift": torch.zeros(8)}, strict=False)
     assert pipe.step(x, x) is not None  # initialized now: it trains
+    with pytest.raises(KeyError, match=r"no stage of the model holds: \['4.bias', '4.weight'\]"):
+        pipe.load_state_dict({**pipe.state_dict(), **tiny(3).state_dict()})  # a layer more
+    wider = {k: torch.zeros(16, *v.shape[1:]) for k, v in pipe.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"other shapes: 0.weight \(16, 8\) \(the model's: \(8, 8\)\); 0.bias"
+    ):
+        pipe.load_state_dict(wider)
 
 
 class Aliased(nn.Module):

@@ -662,10 +662,24 @@ class Pipeline:
         """Load this rank's entries of ``state`` (a full model state_dict works).
 
         Raises:
-            KeyError: with ``strict``, an entry this rank needs is missing from ``state``.
+            KeyError: with ``strict``, an entry this rank needs is missing from ``state``, or
+                ``state`` holds an entry no stage of the model has (on every rank).
+            ValueError: an entry's shape is not its parameter's or buffer's.
         """
+        if strict:
+            known = {k for st in self.graph.stages if st.module is not None
+                     for k in st.module.state_dict()}  # fmt: skip
+            known.update(k for others in self._aliases.values() for k in others)
+            unexpected = sorted(set(state) - known)
+            if unexpected:
+                raise KeyError(
+                    f"rank {self.rank}: state has entries no stage of the model holds: "
+                    f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; pass a "
+                    "state_dict of the same model, or strict=False to ignore them"
+                )
         for s, module in self.stages.items():
-            wanted = module.state_dict().keys()
+            current = module.state_dict()
+            wanted = current.keys()
             missing = [k for k in wanted if k not in state]
             if missing and strict:
                 raise KeyError(
@@ -673,7 +687,14 @@ class Pipeline:
                     f"{' ...' if len(missing) > 5 else ''}; pass a state_dict of the "
                     "same model, or strict=False to keep the current values"
                 )
-            current = module.state_dict()
+            wrong = [_shapes(k, state[k], current[k]) for k in wanted if k in state]
+            wrong = [w for w in wrong if w]
+            if wrong:
+                raise ValueError(
+                    f"rank {self.rank} (stage {s}): state has entries of other shapes: "
+                    f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; pass a "
+                    "state_dict of a model of the same sizes"
+                )
             module.load_state_dict(
                 {k: _placed_like(state[k], current[k]) for k in wanted if k in state},
                 strict=False,
@@ -798,6 +819,15 @@ def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
         return f"split before {list(split_points)}"
     edges = [f"{s.index}->{c}" for s in graph.stages for c in graph.consumers(s.index)]
     return f"graph depth={graph.depth} edges={edges}"
+
+
+def _shapes(name: str, given: Any, own: Any) -> str:
+    """``name`` with both shapes if ``given`` is a tensor of another shape than ``own``."""
+    if not isinstance(given, torch.Tensor) or not isinstance(own, torch.Tensor):
+        return ""
+    if given.shape == own.shape:
+        return ""
+    return f"{name} {tuple(given.shape)} (the model's: {tuple(own.shape)})"
 
 
 def _aliases(model: nn.Module | StageGraph, graph: StageGraph) -> dict[str, list[str]]:
