@@ -565,6 +565,11 @@ class Checkpointer:
     def _load(
         self, path: Path, manifest: Manifest, allow_reshard: bool, allow_numerics_change: bool
     ) -> int:
+        metadata = FileSystemReader(path).read_metadata()
+        state = self._state_to_load(metadata)
+        with self._naming_lost(f"loading {path.name}"):
+            problems = check_keys(state, metadata, self._group)
+        raise_problems(path, problems)  # another model first: no flag would make it fit
         check_layout(
             path,
             manifest,
@@ -573,11 +578,6 @@ class Checkpointer:
             allow_numerics_change,
             log=self.is_coordinator,
         )
-        metadata = FileSystemReader(path).read_metadata()
-        state = self._state_to_load(metadata)
-        with self._naming_lost(f"loading {path.name}"):
-            problems = check_keys(state, metadata, self._group)
-        raise_problems(path, problems)
         try:
             load(state, storage_reader=FileSystemReader(path), process_group=self._group)
         except (Exception, CheckpointException) as error:
