@@ -75,6 +75,7 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
             ["run", "-n", "2", "--checkpoint-dir", "train.py"],
             "no script to run: --checkpoint-dir took 'train.py' as its DIR",
         ),
+        (["run", "--checkpoint-dir", __file__], "no script to run: --checkpoint-dir took"),
         (["trace", "runs", "--step", "5-3"], "expected a step N or a range FIRST-LAST"),
         (["run", "-n", "2", "--dp", "3", "x.py"], "-n 2 ranks do not split into --dp 3 x --tp 1"),
         (["run", "-n4", "--dp", "3", "x.py"], "-n 4 ranks do not split into --dp 3"),

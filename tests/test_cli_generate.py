@@ -61,3 +61,25 @@ def test_generate_runs_the_demo_gpt_on_two_ranks(
     assert main([*argv, "--trace", str(tmp_path)]) == 0
     assert (tmp_path / "timeline.png").is_file() and (tmp_path / "trace.json").is_file()
     assert "RuntimeWarning" not in capfd.readouterr().err  # each rank runs its module once
+
+
+def test_a_checkpoint_is_found_in_its_run_directory_and_a_wrong_size_names_the_flags(
+    one_rank: None, tmp_path: Path
+) -> None:
+    from conveyor import Pipeline
+    from conveyor.checkpoint import CheckpointError, Checkpointer
+    from conveyor.models import gpt, gpt_loss
+
+    trained = gpt(seq_len=32, dim=16, num_layers=2, num_heads=2)
+    pipe = Pipeline(trained, loss_fn=gpt_loss)
+    with Checkpointer(pipe, directory=tmp_path / "run") as checkpointer:
+        checkpointer.save(3)
+    job = GenerateJob(checkpoint=str(tmp_path / "run"), dim=16, num_layers=2, num_heads=2,
+                      seq_len=32)  # fmt: skip
+    model, _ = load_model(job)  # the run's directory: its newest checkpoint
+    for name, value in trained.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    with pytest.raises(CheckpointError, match=r"builds the GPT from --dim 64, --num-layers 2"):
+        load_model(GenerateJob(checkpoint=job.checkpoint, num_layers=2, seq_len=32))
+    with pytest.raises(CheckpointError, match="is not a checkpoint, and it holds no step-N"):
+        load_model(GenerateJob(checkpoint=str(tmp_path)))

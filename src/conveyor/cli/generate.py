@@ -51,8 +51,9 @@ class GenerateJob:
     """'gpt' (conveyor's demo GPT) or the directory of a Hugging Face causal LM saved with
     save_pretrained (read from disk, never downloaded)."""
     checkpoint: str | None = None
-    """With --model gpt: a conveyor checkpoint (step-N directory) to load the weights from;
-    without one the weights are random (seeded by init_seed)."""
+    """With --model gpt: a conveyor checkpoint (a step-N directory, or the directory a run
+    saved them in: its newest valid one) to load the weights from; without one the weights
+    are random (seeded by init_seed)."""
     prompt: tuple[str, ...] = ("def ",)
     """Prompt texts, one sequence each (the demo GPT reads characters; a Hugging Face model
     its tokenizer, if saved with it)."""
@@ -124,7 +125,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "-m",
             "conveyor.cli.generate_rank",
             json.dumps(payload),
-        ]
+        ],
+        resumable=False,
     )
 
 
@@ -183,6 +185,7 @@ def load_model(job: GenerateJob) -> tuple[nn.Module, Any]:
         if any((Path(job.model) / name).is_file() for name in _TOKENIZER_FILES):
             tokenizer = AutoTokenizer.from_pretrained(job.model, local_files_only=True)
         return model, tokenizer
+    from conveyor.checkpoint import CheckpointError
     from conveyor.checkpoint import load_model as load_checkpoint
     from conveyor.models import gpt
 
@@ -191,8 +194,46 @@ def load_model(job: GenerateJob) -> tuple[nn.Module, Any]:
         seq_len=job.seq_len, dim=job.dim, num_layers=job.num_layers, num_heads=job.num_heads
     )
     if job.checkpoint:
-        load_checkpoint(job.checkpoint, model)
+        try:
+            load_checkpoint(_newest(Path(job.checkpoint)), model)
+        except CheckpointError as error:
+            raise CheckpointError(
+                error.path,
+                error.file,
+                f"{error.cause} (conveyor generate builds the GPT from --dim {job.dim}, "
+                f"--num-layers {job.num_layers}, --num-heads {job.num_heads} and --seq-len "
+                f"{job.seq_len}: give those the checkpoint's model was made with)",
+            ) from None
     return model, None
+
+
+def _newest(path: Path) -> Path:
+    """``path`` if it is a checkpoint, else the newest valid checkpoint in it (a run's
+    checkpoint directory).
+
+    Raises:
+        CheckpointError: ``path`` is neither, naming what it holds.
+    """
+    from conveyor.checkpoint import CheckpointError, list_checkpoints, verify
+
+    if (path / "manifest.json").exists():
+        return path
+    found = list_checkpoints(path)
+    for _, candidate in found:
+        try:
+            verify(candidate)
+        except CheckpointError as error:
+            logger.warning("skipping invalid checkpoint: %s", error)
+            continue
+        logger.info("generating from %s, the newest valid checkpoint in %s", candidate.name, path)
+        return candidate
+    what = f"none of its {len(found)} checkpoints is valid" if found else "it holds no step-N"
+    raise CheckpointError(
+        path,
+        None,
+        f"is not a checkpoint, and {what}: pass a step-N directory or the directory a run "
+        "saved them in",
+    )
 
 
 def _prompts(job: GenerateJob, tokenizer: Any) -> list[torch.Tensor]:

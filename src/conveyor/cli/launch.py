@@ -74,30 +74,29 @@ def take_run_options(tokens: Sequence[str]) -> list[str]:
     """
     rest: list[str] = []
     tokens = list(tokens)
-    taken: list[str] = []
-    exports: dict[str, str] = {}
+    taken: list[tuple[str, str]] = []
     while tokens:
         token = tokens.pop(0)
         name, _, value = token.partition("=")
         if name in RUN_OPTIONS:
-            variable, what, check = RUN_OPTIONS[name]
             if not value:
                 if not tokens or tokens[0].startswith("-"):
+                    what = RUN_OPTIONS[name][1]
                     raise ValueError(f"{name} needs a value: {name} {what} before the script")
                 value = tokens.pop(0)
-            exports[variable] = check(value)
-            taken.append(f"{name} {value}")
+            taken.append((name, value))
             continue
         rest.append(token)
         if token.endswith(".py") or token in ("-m", "--module"):
             tokens, rest = [], rest + tokens  # the script and its own arguments
-    for option in (t for t in taken if t.endswith(".py") and not _has_script(rest)):
-        name, value = option.split(" ", 1)
-        raise ValueError(
-            f"no script to run: {name} took {value!r} as its {RUN_OPTIONS[name][1]}; give "
-            f"{name} a value before the script: conveyor run [-n N] {name} "
-            f"{RUN_OPTIONS[name][1]} script.py [script args]"
-        )
+    for name, value in taken:  # first: a value that is the script explains any other error
+        if value.endswith(".py") and not _has_script(rest):
+            raise ValueError(
+                f"no script to run: {name} took {value!r} as its {RUN_OPTIONS[name][1]}; give "
+                f"{name} a value before the script: conveyor run [-n N] {name} "
+                f"{RUN_OPTIONS[name][1]} script.py [script args]"
+            )
+    exports = {RUN_OPTIONS[name][0]: RUN_OPTIONS[name][2](value) for name, value in taken}
     _check_mesh(rest, exports)
     os.environ.update(exports)  # only once every option is good
     return rest  # without a .py: torchrun --no-python, or no script (torchrun says so)
@@ -139,9 +138,10 @@ def _check_mesh(arguments: Sequence[str], exports: dict[str, str]) -> None:
         )
 
 
-def torchrun(arguments: list[str]) -> int:
+def torchrun(arguments: list[str], resumable: bool = True) -> int:
     """Start ranks with torchrun (torch.distributed.run); this machine alone unless the
-    arguments name a rendezvous. Returns the exit code."""
+    arguments name a rendezvous. Returns the exit code. A failure of a ``resumable`` job
+    (training) says how restarts resume it."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -167,14 +167,15 @@ def torchrun(arguments: list[str]) -> int:
         rank, failure = error.get_first_failure()
         cause = failure.signal_name() if failure.exitcode < 0 else "an exception, see above"
         restarts = (
-            f"no restarts left (--max-restarts {launch.max_restarts} used up)"
+            f"; no restarts left (--max-restarts {launch.max_restarts} used up)"
             if launch.max_restarts
-            else "no restarts: pass --max-restarts N (and save with a Checkpointer) to resume"
+            else "; no restarts: pass --max-restarts N (and save with a Checkpointer) to resume"
         )
         exited = f"rank {rank} (local rank {failure.local_rank})"
         how = f"exit code {failure.exitcode} ({cause})"
         recorded = read_failure(failures, launch.max_restarts)  # the last attempt's
-        logger.error("%s; %s", failure_summary(exited, rank, how, recorded), restarts)
+        summary = failure_summary(exited, rank, how, recorded)
+        logger.error("%s%s", summary, restarts if resumable else "")
         return 1
     except Exception as error:
         logger.error("%s", str(error).strip().splitlines()[0] if str(error) else error)
