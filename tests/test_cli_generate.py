@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor import Pipeline
+from conveyor.checkpoint import Checkpointer, CheckpointError
 from conveyor.cli import main
 from conveyor.cli.generate import GenerateJob, load_model
 from conveyor.inference import generate
+from conveyor.models import gpt, gpt_loss
 
 
 def test_simulate_draws_a_decode_program(capsys: pytest.CaptureFixture[str]) -> None:
@@ -66,10 +69,6 @@ def test_generate_runs_the_demo_gpt_on_two_ranks(
 def test_a_checkpoint_is_found_in_its_run_directory_and_a_wrong_size_names_the_flags(
     one_rank: None, tmp_path: Path
 ) -> None:
-    from conveyor import Pipeline
-    from conveyor.checkpoint import CheckpointError, Checkpointer
-    from conveyor.models import gpt, gpt_loss
-
     trained = gpt(seq_len=32, dim=16, num_layers=2, num_heads=2)
     pipe = Pipeline(trained, loss_fn=gpt_loss)
     with Checkpointer(pipe, directory=tmp_path / "run") as checkpointer:
