@@ -124,10 +124,29 @@ def llava() -> nn.Module:
 
 def xlnet() -> nn.Module:
     config = transformers.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=1, n_head=2, d_inner=32)
-    return transformers.XLNetLMHeadModel(config)
+    return transformers.XLNetLMHeadModel(config)  # no loss_type; a cross entropy in place
 
 
-@pytest.mark.parametrize("build", [gpt2, llama, t5, bert, marian, llava], ids=lambda b: b.__name__)
+def bart_decoder() -> nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=1, decoder_attention_heads=2,
+        decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0,
+    )  # fmt: skip
+    return transformers.BartForCausalLM(config)  # "ForCausalLM", but its labels in place
+
+
+def bert_pretraining() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForPreTraining(config)
+
+
+MODELS = [gpt2, llama, t5, bert, marian, llava, xlnet, bart_decoder]
+
+
+@pytest.mark.parametrize("build", MODELS, ids=lambda b: b.__name__)
 def test_micro_batches_weighted_by_their_counted_labels_make_the_full_batch_loss(build) -> None:  # type: ignore[no-untyped-def]
     """What label_counts counts is what each model's own loss averages over: shifted tokens
     for causal LMs (also a vision-language model's "ForConditionalGeneration"), unshifted ones
@@ -144,11 +163,22 @@ def test_micro_batches_weighted_by_their_counted_labels_make_the_full_batch_loss
     torch.testing.assert_close((losses * weights).sum(), expected)
 
 
-def test_a_loss_nothing_describes_is_refused_naming_loss_fn() -> None:
-    """XLNet's LM head computes its loss in its forward, and transformers gives it no
-    loss_type: conveyor cannot tell what it averages over, so it asks for a loss_fn."""
-    with pytest.raises(ValueError, match=r"XLNetLMHeadModel computes its loss in its own forward"):
-        label_counts(xlnet(), [text_batch()["labels"]])
+def test_a_sum_of_two_losses_is_refused_naming_loss_fn() -> None:
+    """BERT's pre-training adds its next-sentence loss (a mean over samples) to the masked LM's
+    (a mean over tokens): no weights make the full batch's from micro-batches'."""
+    batch = text_batch(masked_lm=True)
+    inputs = [*batch, "next_sentence_label"]
+    with pytest.raises(ValueError, match=r"adds a loss for \['next_sentence_label'\]"):
+        label_counts(bert_pretraining(), [batch["labels"]], inputs)
+    assert label_counts(bert_pretraining(), [batch["labels"]], batch)  # the masked LM alone
+
+
+def test_a_loss_in_code_conveyor_cannot_read_is_refused_naming_loss_fn() -> None:
+    """XLM computes its loss in its prediction layer: nothing in its forward says whether
+    the labels are shifted."""
+    config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=32, n_layers=1, n_heads=2)
+    with pytest.raises(ValueError, match=r"XLMWithLMHeadModel computes its loss in code"):
+        label_counts(transformers.XLMWithLMHeadModel(config), [text_batch()["labels"]])
 
 
 LLAMA_QUARTERS = ["model.layers.1", "model.layers.2", "model.layers.3"]

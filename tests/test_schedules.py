@@ -309,6 +309,8 @@ def test_a_stage_count_a_layout_cannot_place_is_named(
     with pytest.raises(ValueError, match=message):
         stage_placement(name, 2, num_stages=num_stages)
     assert stage_placement("1f1b", 2, num_stages=3) == [0, 1, 2]  # the split says -n 3
+    with pytest.raises(ValueError, match="virtual_stages=3 makes 6; pass virtual_stages=2"):
+        stage_placement("zb-v", 2, virtual_stages=3)
     assert stage_placement("interleaved-1f1b", 2, num_stages=6) == [0, 1, 0, 1, 0, 1]
 
 

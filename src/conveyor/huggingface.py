@@ -13,7 +13,8 @@ those counts (conveyor.runtime.loss). ``shifts_labels`` says which counting a mo
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -86,45 +87,64 @@ def initializer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
 
 _SHIFTED_LOSSES = ("ForCausalLM", "ForConditionalGeneration")
 """transformers' loss types whose ``loss_function`` is its causal loss (labels shifted by
-one): ``ForConditionalGeneration`` is, for the decoder-only vision-language models that call
-it; encoder-decoders compute theirs in their forward, on unshifted decoder labels."""
+one): ``ForConditionalGeneration`` is, for the vision-language models that call it;
+encoder-decoders compute theirs in their forward, on unshifted decoder labels."""
 
 
 def shifts_labels(model: nn.Module) -> bool | None:
     """Whether the model's own token-level loss predicts labels shifted by one (True), reads
-    them in place (False), or None when nothing says which.
+    them in place (False), or None when its code does not say.
 
     transformers gives a model a ``loss_type`` from its class name, and its ``loss_function``
     is the causal loss when there is none; but many models compute their loss in their own
-    forward instead (encoder-decoders, masked LMs, XLNet, BERT's pre-training sum of two
-    means), whatever ``loss_type`` says. So the forward's own code decides which applies."""
+    forward instead, whatever ``loss_type`` says (``BartForCausalLM`` reads its labels in
+    place, ``BlipTextLMHeadModel`` shifts them by hand). So the forward's own code decides:
+    ``loss_function`` by its loss type, else a slice of the labels from position 1 or a cross
+    entropy on them as they are."""
     if not is_transformers_model(model):
         return False
-    loss_type = getattr(model, "loss_type", None)
-    if _calls_loss_function(model):
-        return (loss_type or "ForCausalLM") in _SHIFTED_LOSSES
-    if loss_type == "ForCausalLM":
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):  # no source (built at run time): nothing to read
+        return None
+    if "self.loss_function(" in source:
+        return (getattr(model, "loss_type", None) or "ForCausalLM") in _SHIFTED_LOSSES
+    if _SHIFTED.search(source):
         return True
-    if loss_type is not None or getattr(
-        getattr(model, "config", None), "is_encoder_decoder", False
-    ):
+    if "CrossEntropyLoss(" in source or "cross_entropy(" in source:
         return False
     return None
 
 
-def _calls_loss_function(model: nn.Module) -> bool:
-    """Whether the model's forward computes its loss with transformers' ``loss_function``."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):  # no source (built at run time): it cannot be told
-        return False
-    return "self.loss_function(" in source
+_SHIFTED = re.compile(r"labels\s*\[\s*(?:\.\.\.|:)\s*,\s*1\s*:|shift_labels")
+"""A forward that shifts its labels by hand: ``labels[:, 1:]``, ``labels[..., 1:]`` or a
+``shift_labels`` variable (``shift_tokens_right``, which makes decoder inputs, is not one)."""
 
 
-def label_counts(model: nn.Module, labels: list[Any]) -> list[int]:
+def _other_labels(inputs: Iterable[str]) -> list[str]:
+    """Inputs besides ``labels`` that a forward adds another loss for (BERT's
+    ``next_sentence_label``, GPT-2 double heads' ``mc_labels``)."""
+    return [n for n in inputs if n != LABELS and n.endswith(("_label", "_labels"))]
+
+
+def label_counts(model: nn.Module, labels: list[Any], inputs: Iterable[str] = ()) -> list[int]:
     """What the model's own loss averages over in each micro-batch: counted tokens for
-    token-level labels, samples for one label per sample."""
+    token-level labels, samples for one label per sample. ``inputs`` names the batch's
+    inputs: another label among them means another loss in the sum.
+
+    Raises:
+        ValueError: the loss is not one mean the counts describe; the message asks for a
+            ``loss_fn``.
+    """
     shift = shifts_labels(model)
+    others = _other_labels(inputs) if is_transformers_model(model) else []
+    if others:
+        raise ValueError(
+            f"{type(model).__name__} adds a loss for {others} to the one for labels, a sum of "
+            "means over different counts, which micro-batch weights cannot make the full "
+            "batch's. Pass loss_fn=(outputs, targets) -> loss computing what you train on, "
+            "with the labels as targets"
+        )
     counts = []
     for chunk in labels:
         if not isinstance(chunk, torch.Tensor):
@@ -134,9 +154,9 @@ def label_counts(model: nn.Module, labels: list[Any]) -> list[int]:
         token_level = chunk.dim() >= 2 and not chunk.is_floating_point()
         if token_level and shift is None:
             raise ValueError(
-                f"{type(model).__name__} computes its loss in its own forward, and nothing "
-                "says what it averages over (transformers gives it no loss_type): shifted or "
-                "unshifted tokens, or a sum of several means. The micro-batches could not be "
+                f"{type(model).__name__} computes its loss in code conveyor cannot read "
+                "(not transformers' loss_function, nor a cross entropy in its forward), so "
+                "nothing says whether it shifts its labels. The micro-batches could not be "
                 "weighted to make the step's loss the full batch's. Pass loss_fn=(outputs, "
                 "targets) -> loss and the labels as targets, with loss_reduction='token_mean' "
                 "for a mean over the tokens whose label is not -100"

@@ -602,7 +602,8 @@ class Pipeline:
         reduction = self.config.loss_reduction
         own_loss = self.loss_fn is None and chunks and chunks[0].get(LABELS) is not None
         if own_loss and isinstance(self._model, nn.Module):  # the model's own loss
-            counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks])
+            given = [name for name, value in chunks[0].items() if value is not None]
+            counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks], given)
             return ("sum" if reduction == "sum" else "mean"), counts
         if reduction == "token_mean" and targets is not None:
             return reduction, [counted_tokens(t) for t in targets]

@@ -194,8 +194,9 @@ def load_model(job: GenerateJob) -> tuple[nn.Module, Any]:
         seq_len=job.seq_len, dim=job.dim, num_layers=job.num_layers, num_heads=job.num_heads
     )
     if job.checkpoint:
+        checkpoint = _newest(Path(job.checkpoint))
         try:
-            load_checkpoint(_newest(Path(job.checkpoint)), model)
+            load_checkpoint(checkpoint, model)
         except CheckpointError as error:
             raise CheckpointError(
                 error.path,

@@ -71,17 +71,24 @@ def stage_placement(
             f"{per_rank * num_ranks} stages, but the split has {num_stages}; "
             "drop virtual_stages or give a split with that many stages"
         )
+    _check_stage_count(
+        schedule, wanted, num_stages or per_rank * num_ranks, num_ranks, virtual_stages
+    )
     num_stages = num_stages or per_rank * num_ranks
-    _check_stage_count(schedule, wanted, num_stages, num_ranks)
     if num_stages % num_ranks:
         return list(range(num_stages))
     return place(num_stages, num_ranks, style or wanted.placement)
 
 
 def _check_stage_count(
-    schedule: str | Schedule, wanted: Layout, num_stages: int, num_ranks: int
+    schedule: str | Schedule,
+    wanted: Layout,
+    num_stages: int,
+    num_ranks: int,
+    virtual_stages: int | None,
 ) -> None:
-    """Refuse a split whose stage count a schedule of several stages per rank cannot place."""
+    """Refuse a stage count (the split's, or ``virtual_stages`` per rank) that a schedule of
+    several stages per rank cannot place."""
     if schedule not in LAYOUTS:
         return
     needed = wanted.virtual_stages * num_ranks
@@ -91,6 +98,11 @@ def _check_stage_count(
         wants = f"the same number of stages on each of the {num_ranks} ranks"
     else:
         return
+    if virtual_stages is not None:
+        raise ValueError(
+            f"schedule {schedule!r} needs {wants}, but virtual_stages={virtual_stages} makes "
+            f"{num_stages}; pass virtual_stages={wanted.virtual_stages}, or leave it out"
+        )
     raise ValueError(
         f"schedule {schedule!r} needs {wants}, but the split makes {num_stages}; give a "
         f"balance of {needed} entries (or {needed - 1} split points)"

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from torch import fx, nn
 
 from conveyor.split.export import HOLDS_FOR, export_model
-from conveyor.split.inputs import TracedInputs
+from conveyor.split.inputs import TracedInputs, check_concrete_args
 from conveyor.split.tracing import NO_MODULE, module_path, trace_graph, within
 from conveyor.torch_compat import pytree
 
@@ -75,6 +75,7 @@ def trace(
         raise ValueError(f"tracer must be one of {list(TRACERS)}, got {tracer!r}")
     if tracer == "export":
         return _exported(model, example_inputs)
+    check_concrete_args(model, concrete_args)
     try:
         graph = trace_graph(model, cut_at, concrete_args, leaf, hint)
     except TypeError as error:

@@ -16,7 +16,7 @@ from torch import fx, nn
 from conveyor.graph import MODEL_OUTPUT, StageGraph
 from conveyor.torch_compat import assert_is_none, pytree
 
-__all__ = ["TracedInputs", "bind_error", "bind_inputs", "run_stages"]
+__all__ = ["TracedInputs", "bind_error", "bind_inputs", "check_concrete_args", "run_stages"]
 
 
 def run_stages(graph: StageGraph, inputs: Mapping[str, Any]) -> Any:
@@ -178,16 +178,35 @@ class TracedInputs:
         return bound
 
 
+_PLAIN = (bool, int, float, str)
+"""The values torch.fx keeps in a graph and can check a later value against: tuples,
+tensors and other objects it bakes in element by element, or not at all."""
+
+
+def check_concrete_args(model: nn.Module, concrete_args: Mapping[str, Any] | None) -> None:
+    """Refuse, before tracing, ``concrete_args`` that name no forward parameter (a typo
+    would be ignored) or fix a value torch.fx cannot keep and check (a tuple, a tensor).
+
+    Raises:
+        ValueError: naming the entry and what to pass instead.
+    """
+    names = list(inspect.signature(model.forward).parameters)
+    for name, value in (concrete_args or {}).items():
+        if name not in names:
+            raise ValueError(
+                f"concrete_args names {name!r}, which {type(model).__name__}.forward does not "
+                f"take; expected some of {names}"
+            )
+        if value is not None and not isinstance(value, _PLAIN):
+            raise ValueError(
+                f"concrete_args fixes {name!r} to a {type(value).__name__}, which torch.fx "
+                "cannot keep in the graph and check against later batches; fix only None, "
+                "bools, numbers and strings, and pass the rest in the batch"
+            )
+
+
 def _same(value: Any, baked: Any) -> bool:
-    """Whether a batch's ``value`` is the ``baked`` one (tensors by value)."""
-    if isinstance(value, torch.Tensor) or isinstance(baked, torch.Tensor):
-        return (
-            isinstance(value, torch.Tensor)
-            and isinstance(baked, torch.Tensor)
-            and value.shape == baked.shape
-            and bool(torch.equal(value, baked))
-        )
-    try:
-        return bool(value == baked)
-    except (TypeError, ValueError, RuntimeError):  # no truth value: compare as objects
-        return value is baked
+    """Whether a batch's ``value`` is the ``baked`` one (a NaN is a NaN)."""
+    if isinstance(value, float) and isinstance(baked, float) and value != value:
+        return baked != baked
+    return isinstance(value, _PLAIN) and bool(value == baked)  # as fx's own check compares

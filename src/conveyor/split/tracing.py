@@ -186,7 +186,5 @@ def unknown_module(model: nn.Module, name: str, what: str) -> ValueError:
     names = [n for n, _ in model.named_modules() if n]
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
     offered = close or [n for n, _ in model.named_children()][:6]
-    return ValueError(
-        f"{what} {name!r} is not a submodule of {type(model).__name__}; "
-        f"{'did you mean one of' if close else 'expected qualified names such as'} {offered}?"
-    )
+    offer = f"did you mean one of {offered}?" if close else f"expected such names as {offered}"
+    return ValueError(f"{what} {name!r} is not a submodule of {type(model).__name__}; {offer}")
