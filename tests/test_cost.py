@@ -3,6 +3,7 @@ runtime's meter counts it, and (on two gloo ranks) predicted activation memory a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -83,6 +84,21 @@ def test_profile_costs_sum_units_and_add_overheads_loss_and_recomputation() -> N
     # stage 0 takes only the model input, which needs no gradient: all of its backward is W
     assert cost.compute(Action(0, Kind.I, 0)) == pytest.approx(0.2)
     assert cost.compute(Action(0, Kind.W, 0)) == pytest.approx(2 + 3 + 0.2)
+
+
+def test_memory_is_the_largest_micro_batchs_and_time_the_average() -> None:
+    """A batch of 30 in 4 micro-batches runs 8, 8, 7, 7 samples: the peak holds 8-sample
+    activations, while the step's time adds up 7.5 on average."""
+    small = _profile()
+    large = tuple(dataclasses.replace(u, forward=2 * u.forward, saved_bytes=2 * u.saved_bytes)
+                  for u in small.stats[4])  # fmt: skip
+    profile = dataclasses.replace(
+        small, stats={4: small.stats[4], 8: large}, loss={4: (0.5, 0.25), 8: (1, 0.5)}
+    )
+    graph, units = layout(profile, split_units(4, [2, 2]))
+    uneven, eight = (ProfileCost(profile, graph, units, size, 4) for size in (7.5, 8))
+    assert uneven.activation_bytes(0, 0) == eight.activation_bytes(0, 0) == 6000 + 10 + 10
+    assert uneven.compute(Action(0, Kind.F, 0)) == pytest.approx((2 + 4) * 7.5 / 8)
 
 
 def test_recomputation_is_its_own_event_at_the_start_of_its_backward() -> None:

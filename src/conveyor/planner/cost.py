@@ -11,6 +11,7 @@ runtime's meter does, so a predicted Timeline can be set beside a measured one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -194,6 +195,9 @@ class ProfileCost:
                 f"{graph.num_stages} stages; give one per stage"
             )
         stats = profile.at(microbatch_size)
+        # memory is the largest micro-batch's (a batch of 30 in 4 runs 8, 8, 7, 7), times are
+        # the average's: they add up over the micro-batches
+        peak = profile.at(math.ceil(microbatch_size)) if microbatch_size % 1 else stats
         loss_forward, loss_backward = profile.loss_at(microbatch_size)
         stage_of = _stage_of(profile, stage_units)
         consumers = _consumers(profile)
@@ -225,18 +229,18 @@ class ProfileCost:
                 for p in profile.units[u].inputs
                 if p >= 0 and stage_of[p] != s and graph.rank_of(stage_of[p]) != graph.rank_of(s)
             }
-            received = sum(stats[p].message_bytes for p in remote)
+            received = sum(peak[p].message_bytes for p in remote)
             outputs = sum(
-                stats[u].output_bytes
+                peak[u].output_bytes
                 for u in members
                 if u == output_unit or any(stage_of[c] != s for c in consumers[u])
             )
-            inner = sum(stats[u].saved_bytes for u in members) + sum(
-                stats[u].output_bytes
+            inner = sum(peak[u].saved_bytes for u in members) + sum(
+                peak[u].output_bytes
                 for u in members
                 if u != output_unit
                 and not any(stage_of[c] != s for c in consumers[u])
-                and _is_kept(profile, stats, u, consumers[u])
+                and _is_kept(profile, peak, u, consumers[u])
             )
             self._kept.append(received + outputs + inner)
             self._recomputed.append(received + outputs)
@@ -244,24 +248,24 @@ class ProfileCost:
             # it saved) and the gradients W starts from
             # without an input path, W starts from the gradients of the stage's outputs
             weight_grads = (
-                sum(stats[u].weight_grad_bytes for u in members)
+                sum(peak[u].weight_grad_bytes for u in members)
                 if takes_gradients
                 else sum(
-                    stats[u].message_bytes
+                    peak[u].message_bytes
                     for u in members
                     if any(stage_of[c] != s for c in consumers[u])
                 )
             )
-            saved = sum(stats[u].saved_bytes for u in members) + sum(
-                stats[u].output_bytes
+            saved = sum(peak[u].saved_bytes for u in members) + sum(
+                peak[u].output_bytes
                 for u in members
-                if _is_kept(profile, stats, u, [c for c in consumers[u] if stage_of[c] == s])
+                if _is_kept(profile, peak, u, [c for c in consumers[u] if stage_of[c] == s])
             )
             saved += sum(
-                stats[p].message_bytes
+                peak[p].message_bytes
                 for p in remote
                 if _is_kept(
-                    profile, stats, p, [c for c in consumers[p] if stage_of[c] == s], own=False
+                    profile, peak, p, [c for c in consumers[p] if stage_of[c] == s], own=False
                 )
             )
             self._after_input.append(saved + weight_grads)
