@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -366,6 +368,22 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
         "simulated rank 0",
         "simulated rank 1",
     }
+
+
+def test_files_of_an_older_run_and_a_line_cut_short_are_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 3-rank run, then a 2-rank run into the same directory: rank2.jsonl is the older
+    run's, and must not become a row of the newer one."""
+    _write_run(tmp_path, {r: {0: [[f"{r}F0", 0.0, 1.0, 0, 0]]} for r in range(3)}, num_ranks=3)
+    os.utime(tmp_path / "rank2.jsonl", (1e9, 1e9))
+    _write_run(tmp_path, {r: {0: [[f"{r}F0", 0.0, 1.0, 0, 0]]} for r in range(2)})
+    with (tmp_path / "rank1.jsonl").open("a") as file:
+        file.write('{"step": 1, "eve')  # killed in the middle of a step's line
+    with caplog.at_level(logging.WARNING, logger="conveyor.trace"):
+        timeline = load_run(tmp_path)
+    assert timeline.num_ranks == 2 and timeline.meta["step"] == 0
+    assert "leaving out ['rank2.jsonl']" in caplog.text and "line 3, cut short" in caplog.text
 
 
 def test_a_file_that_is_no_trace_is_named_with_its_line(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ A measured Timeline comes from a ``Recorder`` hooked into the runtime; a predict
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import time
@@ -38,6 +39,7 @@ __all__ = [
     "write_png",
 ]
 
+logger = logging.getLogger(__name__)
 
 WAIT = "wait"
 """Action name prefix of a wait: ``wait 1RF0<0`` is time blocked on that receive,
@@ -527,11 +529,15 @@ def _read_trace_file(path: Path) -> tuple[_Row, dict[int, list[Any]], dict[str, 
     Raises:
         ValueError: the file is not a trace file (or was cut short), naming it and the line.
     """
-    lines = path.read_text().splitlines() or [""]
+    text = path.read_text()
+    lines = text.splitlines() or [""]
     steps: dict[int, list[Any]] = {}
     for number, line in enumerate(lines, start=1):
         if not line and number > 1:
             continue
+        if number == len(lines) > 1 and not text.endswith("\n"):  # the run died writing it
+            logger.warning("%s: leaving out line %d, cut short", path, number)
+            break
         try:
             row = json.loads(line)
             if number == 1:
@@ -559,12 +565,19 @@ def _read_run(
             "a run with `conveyor run --trace DIR` or "
             "`conveyor demo --trace DIR`"
         )
-    per_row: dict[_Row, dict[int, list[Any]]] = {}
-    meta: dict[str, Any] = {}
-    for path in files:
-        key, steps, head_meta = _read_trace_file(path)
-        meta.update(head_meta)
-        per_row[key] = steps
+    read = {path: _read_trace_file(path) for path in files}
+    newest = max(files, key=lambda path: path.stat().st_mtime)
+    meta = dict(read[newest][2])
+    stale = [path.name for path in files if read[path][2] != meta]
+    if stale:  # a run on fewer ranks leaves the files of the ranks it did not have
+        logger.warning(
+            "leaving out %s in %s: recorded by another run than the newest file %s (their "
+            "schedule, micro-batches, ranks or split differ)",
+            stale,
+            directory,
+            newest.name,
+        )
+    per_row = {read[p][0]: read[p][1] for p in files if p.name not in stale}
     num_ranks = int(meta.get("ranks", 1 + max(k[2] for k in per_row)))
     replicas, tp = int(meta.get("replicas", 1)), int(meta.get("tp", 1))
     rows = [(r, t, p) for r in range(replicas) for t in range(tp) for p in range(num_ranks)]
