@@ -255,6 +255,9 @@ def test_render_grid_draws_whole_units() -> None:
         "rank 0 | 0F0  .  0B0 0B0",
         "rank 1 |  .  1F0  .   . ",
     ]
+    measured = Timeline(1, [Event(0, "0F0", 1.7e9, 1.7e9 + 0.01)])  # Recorder.timeline's times
+    with pytest.raises(ValueError, match="draw a measured or profiled timeline with write_png"):
+        render_grid(measured)
 
 
 # -- recorded runs on two ranks ----------------------------------------------------------------
@@ -368,6 +371,9 @@ def test_trace_command_prints_the_summary_and_writes_the_pictures(
         "simulated rank 0",
         "simulated rank 1",
     }
+    with pytest.raises(SystemExit):  # the Chrome trace it wrote is no Timeline to compare
+        main(["trace", str(tmp_path), "--compare", str(tmp_path / "trace.json")])
+    assert "trace.json' is not a saved conveyor Timeline" in capsys.readouterr().err
 
 
 def test_files_of_an_older_run_and_a_line_cut_short_are_left_out(

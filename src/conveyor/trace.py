@@ -294,7 +294,19 @@ class Timeline:
 
     @classmethod
     def load(cls, path: str | Path) -> Timeline:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The timeline ``save`` wrote to ``path``.
+
+        Raises:
+            ValueError: the file is not one (a Chrome trace, a profile), naming it.
+        """
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"{str(path)!r} is not a saved conveyor Timeline ({type(error).__name__}: "
+                f"{error}); pass a file written by Timeline.save or `conveyor simulate "
+                "--save-timeline`"
+            ) from error
 
 
 def _is_compute(action: str) -> bool:
@@ -602,17 +614,31 @@ def _read_run(
 # -- renderers -------------------------------------------------------------------------------
 
 
+_GRID_COLUMNS = 10_000
+"""The widest text grid drawn: a timeline in seconds from the epoch would be 10^9 wide."""
+
+
 def render_grid(timeline: Timeline) -> str:
     """A rank x time text grid of compute actions; for timelines in whole time units.
 
     rank 0 | 0F0 0F1  .   .  0B0 0B0 0B1 0B1
     rank 1 |  .  1F0 1F1 1B0 ...
+
+    Raises:
+        ValueError: the timeline is far too long for a grid (a measured one, in seconds from
+            the epoch).
     """
     compute = [e for e in timeline.events if _is_compute(e.action)]
     if not compute:
         return ""
     width = max(len(e.action) for e in compute)
     num_columns = round(max(e.end for e in compute))
+    if num_columns > _GRID_COLUMNS:
+        raise ValueError(
+            f"render_grid draws timelines in whole time units from 0 (a Program simulated "
+            f"with unit costs), and this one ends at {max(e.end for e in compute):g}; draw a "
+            "measured or profiled timeline with write_png, or read its summary_text()"
+        )
     lines = []
     for rank in range(timeline.num_ranks):
         cells = ["."] * num_columns
