@@ -19,6 +19,7 @@ from conveyor.planner import (
     profile_model,
     split_units,
 )
+from conveyor.planner.calibrate import busy_warning
 from conveyor.schedule import build_program
 from conveyor.trace import Event, Timeline
 from dist import run_ranks
@@ -87,3 +88,12 @@ def test_fit_scales_the_profile_to_a_measured_step() -> None:
     assert fitted.calibration[2][1] == pytest.approx(profile.calibration[2][1] * 2.0)
     with pytest.raises(ValueError, match="share no kind of action"):
         fit(profile, Timeline(2), predicted)
+
+
+def test_measuring_on_a_busy_machine_is_told() -> None:
+    """Other processes slow every measured cost: the planner says so (its own 2 ranks make a
+    load of about 2)."""
+    assert busy_warning(2.3, 2) is None and busy_warning(9.0, 32) is None
+    warning = busy_warning(5.0, 2)
+    assert warning is not None and "load average 5.0 on 2 cores" in warning
+    assert "measure again on an idle machine" in warning

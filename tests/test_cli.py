@@ -84,6 +84,7 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
         (["simulate", "--png", "x.png"], "--png only works with --profile; add it or drop"),
         (["simulate", "--balance", "1", "1", "--chrome", "x"], "--balance, --chrome only work"),
         (["simulate", "--groups", "3"], "--groups only works with --decode"),
+        (["simulate", "--groups", "2"], "--groups only works with --decode"),  # its default
         (["simulate", "--decode", "--profile", "p.json"], "Drop one of them"),
         (
             ["simulate", "--decode", "--schedule", "gpipe", "--microbatches", "4"],

@@ -302,6 +302,9 @@ def test_simulate_command_predicts_a_profiled_model(
     with pytest.raises(SystemExit):
         main([*argv[:9], "--balance", "1", "1", "2"])
     assert "--balance has 3 stages" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv[:12], "--batch-size", "2"])
+    assert "--batch-size 2 cannot be split into --microbatches 3" in capsys.readouterr().err
 
 
 def test_a_stage_holds_the_batch_of_the_model_inputs_it_takes_only() -> None:

@@ -135,22 +135,29 @@ def add_decode_flags(simulate_parser: argparse.ArgumentParser) -> None:
     simulate_parser.add_argument(
         "--decode", action="store_true", help="simulate a decode Program instead of training"
     )
+    # no defaults here: a flag given with its default value is still given, and refused
+    # without --decode (conveyor.cli.main._given); simulate_decode fills DECODE_DEFAULTS
     simulate_parser.add_argument(
-        "--groups", type=int, default=2, help="with --decode: groups of sequences in flight"
+        "--groups", type=int, help="with --decode: groups of sequences in flight (default 2)"
     )
     simulate_parser.add_argument(
-        "--new-tokens", type=int, default=4, help="with --decode: tokens to generate"
+        "--new-tokens", type=int, help="with --decode: tokens to generate (default 4)"
     )
     simulate_parser.add_argument(
         "--prompt-chunks",
         type=int,
-        default=1,
-        help="with --decode: prefill chunks per prompt (each costs one unit, like a token)",
+        help="with --decode: prefill chunks per prompt, each one unit like a token (default 1)",
     )
+
+
+DECODE_DEFAULTS = {"groups": 2, "new_tokens": 4, "prompt_chunks": 1}
 
 
 def simulate_decode(args: argparse.Namespace) -> int:
     """``conveyor simulate --decode``: the decode Program's grid and its busy share."""
+    for name, default in DECODE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     graph = chain(args.stages)
     items = decode_items(args.groups, args.prompt_chunks, args.new_tokens, 1)
     program = decode_program(graph, items)

@@ -344,6 +344,11 @@ def simulate_profile(args: argparse.Namespace) -> int:
         )
     m = args.microbatches
     batch = args.batch_size or m * profile.microbatch_sizes[0]
+    if batch < m:
+        raise ValueError(
+            f"--batch-size {batch} cannot be split into --microbatches {m} (a micro-batch "
+            "needs a sample); give a batch of at least as many samples as micro-batches"
+        )
     graph, units = layout(profile, split_units(profile.num_units, balance), placement)
     program = build_program(args.schedule, graph, m)
     modes = args.checkpoint[0] if len(args.checkpoint) == 1 else list(args.checkpoint)

@@ -37,6 +37,7 @@ from conveyor.schedule import SCHEDULES, layout_of
 from conveyor.trace import Event, Timeline
 
 __all__ = [
+    "busy_warning",
     "fit",
     "fit_to_run",
     "measure_allreduce",
@@ -259,6 +260,7 @@ def _on_two_local_ranks(timeout_s: float, job: dict[str, Any] | None) -> dict[st
 
     import torch.multiprocessing as mp
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory, "measured.json")
         context = mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
@@ -277,7 +279,26 @@ def _on_two_local_ranks(timeout_s: float, job: dict[str, Any] | None) -> dict[st
                 if process.is_alive():
                     process.kill()
         data: dict[str, Any] = json.loads(out.read_text())
+    warning = busy_warning(max(load_before, os.getloadavg()[0]), os.cpu_count() or 1)
+    if warning:
+        logger.warning("%s", warning)
     return data
+
+
+def busy_warning(load: float, cores: int, own: int = 2) -> str | None:
+    """What to tell when other processes kept the machine busy while ``own`` ranks measured:
+    they slow every measured cost, sends and receives most (Note [busy ranks]), so the
+    predictions, and the plan chosen from them, are off (measured: +117% at load 5 on 2
+    cores, +36% at load 3). None on a machine the measuring ranks had to themselves."""
+    others = load - min(own, cores)
+    if others <= max(0.5, 0.25 * cores):
+        return None
+    return (
+        f"the machine was busy while measuring: load average {load:.1f} on {cores} cores, of "
+        f"which the {own} measuring ranks make about {min(own, cores)}. Other processes slow "
+        "the measured costs (sends and receives most), so predicted step times and the plan "
+        "chosen from them may be off; measure again on an idle machine"
+    )
 
 
 def _local_worker(rank: int, store: str, out: str, job: dict[str, Any] | None) -> None:

@@ -175,7 +175,9 @@ def _modes(modes: Sequence[str]) -> str:
 def _gib(value: float) -> str:
     if value >= 2**30:
         return f"{value / 2**30:.2f} GiB"
-    return f"{value / 2**20:.1f} MiB"
+    if value >= 2**20:
+        return f"{value / 2**20:.1f} MiB"
+    return f"{value / 2**10:.1f} KiB"
 
 
 def stage_graph_for(report: PlanReport, chosen: Plan) -> StageGraph:
