@@ -239,6 +239,8 @@ def test_png_gantt_chart_is_written(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     with pytest.raises(ValueError, match="at least one timeline"):
         write_png(tmp_path / "none.png")
+    with pytest.raises(ValueError, match="timeline 0 has no events to draw"):
+        write_png(tmp_path / "empty.png", Timeline(2, []))
 
 
 def test_render_grid_draws_whole_units() -> None:

@@ -748,6 +748,11 @@ def write_png(
 
     if not timelines:
         raise ValueError("write_png needs at least one timeline")
+    empty = [index for index, t in enumerate(timelines) if not t.events or not t.num_ranks]
+    if empty:
+        raise ValueError(
+            f"write_png: timeline {empty[0]} has no events to draw; record or simulate a step first"
+        )
     in_units = any(t.meta.get("time_unit") == "units" for t in timelines)
     unit = scale if scale is not None else (1.0 if in_units else 1e3)
     span = max(t.step_time for t in timelines) * unit

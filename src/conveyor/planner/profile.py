@@ -362,7 +362,15 @@ def trace_units(
     Raises:
         TypeError: the model (or, deeper, a layer) cannot be traced with torch.fx.
     """
-    graph = trace_graph(model, (), leaf=_leaf_at(depth))
+    try:
+        graph = trace_graph(model, (), leaf=_leaf_at(depth))
+    except TypeError as error:
+        raise TypeError(
+            f"{error}. The planner profiles a model traced by torch.fx; one that only "
+            "torch.export traces (a Hugging Face model) cannot be planned yet: split it by "
+            "hand (split_points=..., example_inputs=...) and compare schedules on measured "
+            "timelines (Pipeline(..., trace=True))"
+        ) from error
     nodes = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
     index = {n: i for i, n in enumerate(nodes)}
     index.update({n: -1 - i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")})
