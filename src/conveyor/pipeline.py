@@ -178,8 +178,12 @@ class Pipeline:
         """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
         self.stages = self._materialize(ties, weights)
         self._tied_names = ties
-        self._aliases = _aliases(model, self.graph)
+        held = {k for st in self.graph.stages if st.module is not None
+                for k in st.module.state_dict()}  # fmt: skip
+        self._aliases = _aliases(model, held)
         """A held tensor's other names in the plain model that no stage holds."""
+        self._names = held.union(*self._aliases.values())
+        """Every name of the whole model's state_dict (each stage's, on every rank)."""
         if not any(True for _ in self.parameters()):
             logger.warning(
                 "rank %d holds no parameters (stages %s); torch.optim refuses an empty "
@@ -668,10 +672,7 @@ class Pipeline:
             ValueError: an entry's shape is not its parameter's or buffer's.
         """
         if strict:
-            known = {k for st in self.graph.stages if st.module is not None
-                     for k in st.module.state_dict()}  # fmt: skip
-            known.update(k for others in self._aliases.values() for k in others)
-            unexpected = sorted(set(state) - known)
+            unexpected = sorted(set(state) - self._names)
             if unexpected:
                 raise KeyError(
                     f"rank {self.rank}: state has entries no stage of the model holds: "
@@ -831,13 +832,12 @@ def _shapes(name: str, given: Any, own: Any) -> str:
     return f"{name} {tuple(given.shape)} (the model's: {tuple(own.shape)})"
 
 
-def _aliases(model: nn.Module | StageGraph, graph: StageGraph) -> dict[str, list[str]]:
-    """Names of the plain model's tensors that no stage holds, under the name a stage holds
-    the same tensor by: a module registered twice (``self.out = self.shared``) is traced by
-    one of its names, while the plain state_dict has both."""
+def _aliases(model: nn.Module | StageGraph, held: set[str]) -> dict[str, list[str]]:
+    """Names of the plain model's tensors that no stage holds (not in ``held``), under the
+    name a stage holds the same tensor by: a module registered twice (``self.out =
+    self.shared``) is traced by one of its names, while the plain state_dict has both."""
     if not isinstance(model, nn.Module):
         return {}
-    held = {n for st in graph.stages if st.module is not None for n in st.module.state_dict()}
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         by_tensor.setdefault(id(tensor), []).append(name)
