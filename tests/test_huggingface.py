@@ -167,10 +167,18 @@ def test_a_sum_of_two_losses_is_refused_naming_loss_fn() -> None:
     """BERT's pre-training adds its next-sentence loss (a mean over samples) to the masked LM's
     (a mean over tokens): no weights make the full batch's from micro-batches'."""
     batch = text_batch(masked_lm=True)
-    inputs = [*batch, "next_sentence_label"]
-    with pytest.raises(ValueError, match=r"adds a loss for \['next_sentence_label'\]"):
+    inputs = {**batch, "next_sentence_label": torch.zeros(8, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"adds \['next_sentence_label'\] to the loss"):
         label_counts(bert_pretraining(), [batch["labels"]], inputs)
     assert label_counts(bert_pretraining(), [batch["labels"]], batch)  # the masked LM alone
+    config = transformers.MixtralConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=2, output_router_logits=True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="router's load-balancing loss"):
+        label_counts(transformers.MixtralForCausalLM(config), [batch["labels"]], batch)
+    off = {**batch, "output_router_logits": False}
+    assert label_counts(transformers.MixtralForCausalLM(config), [batch["labels"]], off)
 
 
 def test_a_loss_in_code_conveyor_cannot_read_is_refused_naming_loss_fn() -> None:
@@ -179,6 +187,14 @@ def test_a_loss_in_code_conveyor_cannot_read_is_refused_naming_loss_fn() -> None
     config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=32, n_layers=1, n_heads=2)
     with pytest.raises(ValueError, match=r"XLMWithLMHeadModel computes its loss in code"):
         label_counts(transformers.XLMWithLMHeadModel(config), [text_batch()["labels"]])
+    prophet = transformers.ProphetNetConfig(
+        vocab_size=VOCAB, hidden_size=32, num_encoder_layers=1, num_decoder_layers=1,
+        num_encoder_attention_heads=2, num_decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+    )  # fmt: skip
+    # its docstring's example slices labels[:, 1:]; its loss, in a helper, reads them in place
+    with pytest.raises(ValueError, match=r"ProphetNetForCausalLM computes its loss in code"):
+        label_counts(transformers.ProphetNetForCausalLM(prophet), [text_batch()["labels"]])
 
 
 LLAMA_QUARTERS = ["model.layers.1", "model.layers.2", "model.layers.3"]

@@ -257,9 +257,10 @@ def test_render_grid_draws_whole_units() -> None:
         "rank 0 | 0F0  .  0B0 0B0",
         "rank 1 |  .  1F0  .   . ",
     ]
-    measured = Timeline(1, [Event(0, "0F0", 1.7e9, 1.7e9 + 0.01)])  # Recorder.timeline's times
-    with pytest.raises(ValueError, match="draw a measured or profiled timeline with write_png"):
-        render_grid(measured)
+    for start in (1.7e9, 0.0):  # Recorder.timeline's times, or a loaded run's
+        measured = Timeline(1, [Event(0, "0F0", start, start + 0.006)])
+        with pytest.raises(ValueError, match="draw a measured or profiled timeline"):
+            render_grid(measured)
 
 
 # -- recorded runs on two ranks ----------------------------------------------------------------

@@ -12,9 +12,11 @@ those counts (conveyor.runtime.loss). ``shifts_labels`` says which counting a mo
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
-from collections.abc import Callable, Iterable, Mapping
+import textwrap
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -103,9 +105,8 @@ def shifts_labels(model: nn.Module) -> bool | None:
     entropy on them as they are."""
     if not is_transformers_model(model):
         return False
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):  # no source (built at run time): nothing to read
+    source = _code_of(type(model).forward)
+    if source is None:
         return None
     if "self.loss_function(" in source:
         return (getattr(model, "loss_type", None) or "ForCausalLM") in _SHIFTED_LOSSES
@@ -116,34 +117,70 @@ def shifts_labels(model: nn.Module) -> bool | None:
     return None
 
 
+def _code_of(function: Callable[..., Any]) -> str | None:
+    """``function``'s code without its docstring and comments (their examples slice labels
+    too: ProphetNet's shows ``labels[:, 1:]``), or None where it has no source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):  # built at run time: nothing to read
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.FunctionDef) and body and _is_docstring(body[0]):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree)
+
+
+def _is_docstring(statement: ast.stmt) -> bool:
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(statement.value, ast.Constant)
+        and (isinstance(statement.value.value, str))
+    )
+
+
 _SHIFTED = re.compile(r"labels\s*\[\s*(?:\.\.\.|:)\s*,\s*1\s*:|shift_labels")
 """A forward that shifts its labels by hand: ``labels[:, 1:]``, ``labels[..., 1:]`` or a
 ``shift_labels`` variable (``shift_tokens_right``, which makes decoder inputs, is not one)."""
 
 
-def _other_labels(inputs: Iterable[str]) -> list[str]:
-    """Inputs besides ``labels`` that a forward adds another loss for (BERT's
-    ``next_sentence_label``, GPT-2 double heads' ``mc_labels``)."""
-    return [n for n in inputs if n != LABELS and n.endswith(("_label", "_labels"))]
+def _added_losses(model: nn.Module, inputs: Mapping[str, Any]) -> list[str]:
+    """What a forward adds to the loss of ``labels``: the losses of other labels the batch
+    gives (BERT's ``next_sentence_label``, GPT-2 double heads' ``mc_labels``), and a mixture
+    of experts' load-balancing loss, which is over the whole batch."""
+    added = [
+        name
+        for name, value in inputs.items()
+        if name != LABELS and name.endswith(("_label", "_labels")) and value is not None
+    ]
+    config = getattr(model, "config", None)
+    router = inputs.get("output_router_logits")
+    if router is None:
+        router = getattr(config, "output_router_logits", False)
+    if router and getattr(config, "router_aux_loss_coef", 1.0):
+        added.append("the router's load-balancing loss (output_router_logits=True)")
+    return added
 
 
-def label_counts(model: nn.Module, labels: list[Any], inputs: Iterable[str] = ()) -> list[int]:
+def label_counts(
+    model: nn.Module, labels: list[Any], inputs: Mapping[str, Any] | None = None
+) -> list[int]:
     """What the model's own loss averages over in each micro-batch: counted tokens for
-    token-level labels, samples for one label per sample. ``inputs`` names the batch's
-    inputs: another label among them means another loss in the sum.
+    token-level labels, samples for one label per sample. ``inputs`` is a micro-batch's
+    inputs by name: what they ask the forward to add to the loss is refused.
 
     Raises:
         ValueError: the loss is not one mean the counts describe; the message asks for a
             ``loss_fn``.
     """
     shift = shifts_labels(model)
-    others = _other_labels(inputs) if is_transformers_model(model) else []
-    if others:
+    added = _added_losses(model, inputs or {}) if is_transformers_model(model) else []
+    if added:
         raise ValueError(
-            f"{type(model).__name__} adds a loss for {others} to the one for labels, a sum of "
-            "means over different counts, which micro-batch weights cannot make the full "
-            "batch's. Pass loss_fn=(outputs, targets) -> loss computing what you train on, "
-            "with the labels as targets"
+            f"{type(model).__name__} adds {added} to the loss of labels: a sum of means over "
+            "different counts, which micro-batch weights cannot make the full batch's. Pass "
+            "loss_fn=(outputs, targets) -> loss computing what you train on, with the labels "
+            "as targets (or turn the router's loss off: output_router_logits=False)"
         )
     counts = []
     for chunk in labels:

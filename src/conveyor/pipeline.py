@@ -178,12 +178,15 @@ class Pipeline:
         """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
         self.stages = self._materialize(ties, weights)
         self._tied_names = ties
-        held = {k for st in self.graph.stages if st.module is not None
-                for k in st.module.state_dict()}  # fmt: skip
-        self._aliases = _aliases(model, held)
+        held = {k: v for st in self.graph.stages if st.module is not None
+                for k, v in st.module.state_dict().items()}  # fmt: skip
+        self._aliases = _aliases(model, set(held))
         """A held tensor's other names in the plain model that no stage holds."""
-        self._names = held.union(*self._aliases.values())
-        """Every name of the whole model's state_dict (each stage's, on every rank)."""
+        self._shapes = {k: v.shape for k, v in held.items() if isinstance(v, torch.Tensor)}
+        self._shapes.update((a, self._shapes[k]) for k, als in self._aliases.items() for a in als
+                            if k in self._shapes)  # fmt: skip
+        """The shape of every tensor of the whole model's state_dict (each stage's, on every
+        rank): a state_dict to load is checked against all of it, so every rank agrees."""
         if not any(True for _ in self.parameters()):
             logger.warning(
                 "rank %d holds no parameters (stages %s); torch.optim refuses an empty "
@@ -606,8 +609,7 @@ class Pipeline:
         reduction = self.config.loss_reduction
         own_loss = self.loss_fn is None and chunks and chunks[0].get(LABELS) is not None
         if own_loss and isinstance(self._model, nn.Module):  # the model's own loss
-            given = [name for name, value in chunks[0].items() if value is not None]
-            counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks], given)
+            counts = label_counts(self._model, [chunk[LABELS] for chunk in chunks], chunks[0])
             return ("sum" if reduction == "sum" else "mean"), counts
         if reduction == "token_mean" and targets is not None:
             return reduction, [counted_tokens(t) for t in targets]
@@ -671,14 +673,21 @@ class Pipeline:
                 ``state`` holds an entry no stage of the model has (on every rank).
             ValueError: an entry's shape is not its parameter's or buffer's.
         """
-        if strict:
-            unexpected = sorted(set(state) - self._names)
-            if unexpected:
-                raise KeyError(
-                    f"rank {self.rank}: state has entries no stage of the model holds: "
-                    f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; pass a "
-                    "state_dict of the same model, or strict=False to ignore them"
-                )
+        unexpected = sorted(k for k in state if k not in self._shapes)
+        if strict and unexpected:
+            raise KeyError(
+                f"rank {self.rank}: state has entries no stage of the model holds: "
+                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; pass a "
+                "state_dict of the same model, or strict=False to ignore them"
+            )
+        wrong = [_shapes(k, v, self._shapes[k]) for k, v in state.items() if k in self._shapes]
+        wrong = [w for w in wrong if w]
+        if wrong:
+            raise ValueError(
+                f"rank {self.rank}: state has entries of other shapes: "
+                f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; pass a "
+                "state_dict of a model of the same sizes"
+            )
         for s, module in self.stages.items():
             current = module.state_dict()
             wanted = current.keys()
@@ -688,14 +697,6 @@ class Pipeline:
                     f"rank {self.rank} (stage {s}): state lacks {missing[:5]}"
                     f"{' ...' if len(missing) > 5 else ''}; pass a state_dict of the "
                     "same model, or strict=False to keep the current values"
-                )
-            wrong = [_shapes(k, state[k], current[k]) for k in wanted if k in state]
-            wrong = [w for w in wrong if w]
-            if wrong:
-                raise ValueError(
-                    f"rank {self.rank} (stage {s}): state has entries of other shapes: "
-                    f"{'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; pass a "
-                    "state_dict of a model of the same sizes"
                 )
             module.load_state_dict(
                 {k: _placed_like(state[k], current[k]) for k in wanted if k in state},
@@ -823,13 +824,11 @@ def _split_summary(graph: StageGraph, split_points: tuple[str, ...]) -> str:
     return f"graph depth={graph.depth} edges={edges}"
 
 
-def _shapes(name: str, given: Any, own: Any) -> str:
-    """``name`` with both shapes if ``given`` is a tensor of another shape than ``own``."""
-    if not isinstance(given, torch.Tensor) or not isinstance(own, torch.Tensor):
+def _shapes(name: str, given: Any, shape: torch.Size) -> str:
+    """``name`` with both shapes if ``given`` is a tensor of another shape than ``shape``."""
+    if not isinstance(given, torch.Tensor) or given.shape == shape:
         return ""
-    if given.shape == own.shape:
-        return ""
-    return f"{name} {tuple(given.shape)} (the model's: {tuple(own.shape)})"
+    return f"{name} {tuple(given.shape)} (the model's: {tuple(shape)})"
 
 
 def _aliases(model: nn.Module | StageGraph, held: set[str]) -> dict[str, list[str]]:

@@ -625,18 +625,18 @@ def render_grid(timeline: Timeline) -> str:
     rank 1 |  .  1F0 1F1 1B0 ...
 
     Raises:
-        ValueError: the timeline is far too long for a grid (a measured one, in seconds from
-            the epoch).
+        ValueError: the timeline is not in whole time units (a measured one, in seconds).
     """
     compute = [e for e in timeline.events if _is_compute(e.action)]
     if not compute:
         return ""
     width = max(len(e.action) for e in compute)
     num_columns = round(max(e.end for e in compute))
-    if num_columns > _GRID_COLUMNS:
+    times = [t for e in compute for t in (e.start, e.end)]
+    if num_columns > _GRID_COLUMNS or any(abs(t - round(t)) > 1e-6 for t in times):
         raise ValueError(
-            f"render_grid draws timelines in whole time units from 0 (a Program simulated "
-            f"with unit costs), and this one ends at {max(e.end for e in compute):g}; draw a "
+            f"render_grid draws timelines in whole time units (a Program simulated with unit "
+            f"costs), and this one ends at {max(e.end for e in compute):g}; draw a "
             "measured or profiled timeline with write_png, or read its summary_text()"
         )
     lines = []

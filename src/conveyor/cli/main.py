@@ -176,7 +176,8 @@ def _check_simulate_flags(args: argparse.Namespace) -> None:
         if given and not chosen[needed]:
             verb = "works" if len(given) == 1 else "work"
             flags = ", ".join(given)
-            raise ValueError(f"simulate: {flags} only {verb} with {needed}; add it or drop them")
+            them = "it" if len(given) == 1 else "them"
+            raise ValueError(f"simulate: {flags} only {verb} with {needed}; add it or drop {them}")
     given = _given(args, _TRAINING_ONLY)
     if given and args.decode:
         raise ValueError(

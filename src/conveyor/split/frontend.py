@@ -73,9 +73,9 @@ def trace(
     """
     if tracer not in TRACERS:
         raise ValueError(f"tracer must be one of {list(TRACERS)}, got {tracer!r}")
+    check_concrete_args(model, concrete_args)
     if tracer == "export":
         return _exported(model, example_inputs)
-    check_concrete_args(model, concrete_args)
     try:
         graph = trace_graph(model, cut_at, concrete_args, leaf, hint)
     except TypeError as error:

@@ -203,10 +203,13 @@ def check_concrete_args(model: nn.Module, concrete_args: Mapping[str, Any] | Non
                 "cannot keep in the graph and check against later batches; fix only None, "
                 "bools, numbers and strings, and pass the rest in the batch"
             )
+        if value != value:  # torch.fx checks a batch's value with ==, which NaN never passes
+            raise ValueError(
+                f"concrete_args fixes {name!r} to NaN, which equals nothing, so no batch could "
+                "pass torch.fx's check of it; pass it in the batch instead"
+            )
 
 
 def _same(value: Any, baked: Any) -> bool:
-    """Whether a batch's ``value`` is the ``baked`` one (a NaN is a NaN)."""
-    if isinstance(value, float) and isinstance(baked, float) and value != value:
-        return baked != baked
-    return isinstance(value, _PLAIN) and bool(value == baked)  # as fx's own check compares
+    """Whether a batch's ``value`` is the ``baked`` one, as fx's own check compares them."""
+    return isinstance(value, _PLAIN) and bool(value == baked)
