@@ -100,8 +100,9 @@ def test_a_tight_budget_turns_on_checkpointing_and_too_tight_a_budget_says_what_
     hopeless = plan(
         None, 2, smallest - 1, 8, profile=profile, schedules=["gpipe"], microbatches=[8]
     )
+    assert smallest < 2**20  # a tiny model: the message says KiB, not "0.0 MiB"
     with pytest.raises(
-        ValueError, match=f"smallest memory any plan needs is {smallest / 2**20:.1f} MiB"
+        ValueError, match=f"smallest memory any plan needs is {smallest / 2**10:.1f} KiB"
     ):
         _ = hopeless.best
 
