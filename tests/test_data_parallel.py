@@ -4,12 +4,14 @@ every gradient (replicated or FSDP-sharded), global clipping, with every schedul
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -134,7 +136,27 @@ def _equivalence(rank: int, world_size: int) -> None:
     _sum_over_steps_with_a_weight_without_gradient(True, torch.float32)  # no PREMUL_SUM: gloo
     _a_stage_without_any_gradient()
     _generate_over_sharded_replicas()
+    _the_same_batch_on_every_replica()
     _frozen_after_ddp_was_made()  # last: the refusal abandons the step
+
+
+def _the_same_batch_on_every_replica() -> None:
+    """Replicas given the same batch (code ported from one pipeline, where every rank passes
+    the same batch) are told so, once: each sample would count once per replica."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("conveyor.parallel.data_parallel")
+    logger.addHandler(handler)
+    try:
+        pipe = conveyor.Pipeline(tied_model(), dp=2, num_microbatches=2, loss_fn=F.mse_loss)
+        x = torch.ones(4, 8).double()
+        for _ in range(2):
+            pipe.step(x, x)
+    finally:
+        logger.removeHandler(handler)
+    warned = [r for r in records if "were given the same batch" in r.getMessage()]
+    assert len(warned) == (1 if dist.get_rank() == 0 else 0), warned
 
 
 def _frozen_after_ddp_was_made() -> None:

@@ -216,6 +216,8 @@ class Pipeline:
             config.measure_memory,
         )
         self.step_index = 0
+        self._shares_checked = False
+        """Whether the replicas' first shares were compared (DataParallel.check_shares)."""
         self._decoder: DecodePipeline | None = None
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
@@ -392,6 +394,11 @@ class Pipeline:
         self._check_loss(targets)
         self._check_usable()
         step_inputs = self._inputs(inputs, targets, True)
+        if self.data_parallel is not None and not self._shares_checked:
+            fingerprint = step_inputs.fingerprint
+            assert fingerprint is not None
+            self.data_parallel.check_shares((fingerprint.inputs, fingerprint.targets))
+            self._shares_checked = True
         with self._abandoning(f"step {self.step_index}"), self.ties.summing_gradients():
             if self.data_parallel is not None:
                 self.data_parallel.begin_step()

@@ -141,6 +141,23 @@ class DataParallel:
                 # else FSDP2 reduces float32 with PREMUL_SUM(1.0), which gloo does not have
                 self._fsdp[stage].set_force_sum_reduction_for_comms(True)
 
+    def check_shares(self, share: tuple[int, int]) -> None:
+        """Warn if every replica was given the same batch (``share``: digests of this
+        replica's inputs and targets): the global batch then holds each sample once per
+        replica, a mistake of code ported from one pipeline, where every rank passes the same
+        batch. Collective over the replicas; called once, at the first step."""
+        shares: list[tuple[int, int] | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(shares, share, group=self.group)
+        if len(set(shares)) == 1 and dist.get_rank() == 0:
+            logger.warning(
+                "all %d data-parallel replicas were given the same batch at their first step, "
+                "so each sample counts %d times in the global batch: give each replica its own "
+                "share (conveyor.data.ResumableLoader(..., num_replicas=pipe.num_replicas, "
+                "replica=pipe.replica)), the same on every rank of the replica",
+                len(shares),
+                len(shares),
+            )
+
     def begin_step(self) -> None:
         """Turn FSDP2's gradient sync and resharding off until each stage's last backward is
         done.
