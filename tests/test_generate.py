@@ -17,7 +17,7 @@ from conveyor import PeerLostError
 from conveyor.inference import DecodePipeline, GenerationConfig, generate
 from conveyor.inference.sampling import Sampler, filter_logits, sequence_seed
 from conveyor.models import gpt
-from conveyor.runtime.fingerprint import BatchMismatchError
+from conveyor.runtime.fingerprint import BatchMismatchError, CannotRunError
 from dist import run_ranks
 
 VOCAB = 61
@@ -181,6 +181,15 @@ def test_hugging_face_models_match_their_own_generate(make: Any) -> None:
     assert torch.equal(tokens, stopped)  # one id, as Hugging Face takes it
     sampled = generate(model, ids, attention_mask=mask, max_new_tokens=6, num_groups=2, **SAMPLING)
     assert torch.equal(sampled, hf_sampling_reference(model, ids, mask, 6))
+    # padded prompts without a mask: the model's own pad token (no stop token) marks the
+    # padding, as Hugging Face reads it; without a pad token every token is real
+    model.generation_config.pad_token_id = 0
+    assert torch.equal(
+        generate(model, ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4)
+    )
+    model.generation_config.pad_token_id = None
+    unmasked = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4)
+    assert torch.equal(generate(model, ids, max_new_tokens=4), unmasked)
 
 
 def test_conveyor_gpt_matches_recomputation_without_a_cache() -> None:
@@ -249,8 +258,9 @@ def test_bad_input_fails_before_any_message() -> None:
     mask[0, -1] = 0
     with pytest.raises(ValueError, match="rows \\[0\\] have padding after tokens"):
         generate(model, ids, attention_mask=mask)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        GenerationConfig(temperature=0.0)
+    for temperature in (0.0, float("nan")):  # NaN failed mid-generation, in sampling
+        with pytest.raises(ValueError, match="temperature must be > 0"):
+            GenerationConfig(temperature=temperature)
     with pytest.raises(ValueError, match=r"pad_token_id must be a token id .* got None"):
         generate(model, ids, pad_token_id=None)
     with pytest.raises(ValueError, match=r"eos_token_id must be a token id .* got \(1, 'x'\)"):
@@ -356,6 +366,11 @@ def _failures(pipe: conveyor.Pipeline, rank: int, ids: torch.Tensor) -> None:
     other[0, -1] = (other[0, -1] + rank) % VOCAB
     with pytest.raises(BatchMismatchError, match="another batch for generation"):
         pipe.generate(other, max_new_tokens=2)
+    pipe.generate(ids, max_new_tokens=2)
+    # a problem of one rank's own (its budget): every rank raises, and they stay in step
+    with pytest.raises(ValueError if rank == 1 else CannotRunError) as refused:
+        pipe.generate(ids, max_new_tokens=2, memory_budget=1 if rank == 1 else None)
+    assert rank == 1 or "rank 1 cannot run generation" in str(refused.value)
     pipe.generate(ids, max_new_tokens=2)
     if rank == 1:
         block = next(m for m in pipe.decoder._local_modules() if hasattr(m, "attend"))

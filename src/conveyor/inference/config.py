@@ -71,7 +71,7 @@ class GenerationConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.temperature <= 0:
+        if not self.temperature > 0:  # NaN too: it would fail in sampling, mid-generation
             raise ValueError(
                 f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy"
             )

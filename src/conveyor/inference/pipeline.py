@@ -29,12 +29,18 @@ from conveyor.inference.config import GenerationConfig, model_defaults
 from conveyor.inference.gpt import GptLM, is_gpt
 from conveyor.inference.lm import CausalLM
 from conveyor.inference.models import as_causal_lm
-from conveyor.inference.prompts import generated_length, groups_of, positions_of, prepare_prompts
+from conveyor.inference.prompts import (
+    generated_length,
+    groups_of,
+    inferred_mask,
+    positions_of,
+    prepare_prompts,
+)
 from conveyor.inference.runtime import Batch, DecodeRuntime
 from conveyor.inference.schedule import decode_items, decode_program
 from conveyor.program import Program
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.runtime.fingerprint import agree, fingerprint
+from conveyor.runtime.fingerprint import CannotRunError, agree, fingerprint
 from conveyor.split import even_balance
 from conveyor.trace import Recorder, Timeline, merge
 
@@ -210,15 +216,20 @@ class DecodePipeline:
         """
         start = time.perf_counter()
         self._check_usable()
-        config = self.settings(config, **options)
-        ids, mask = prepare_prompts(input_ids, attention_mask, config.pad_token_id)
-        self._check(ids, config)
+        read, problem = None, None
+        try:  # a problem of one rank's input is told to all in _agree: they stay in step
+            read = self._read(input_ids, attention_mask, config, options)
+        except (ValueError, TypeError) as error:
+            problem = error
+        with self._refused_as(problem), self._abandoning(f"generation {self.num_generations}"):
+            self._agree(read, problem)
+        assert read is not None  # else raised above
+        ids, mask, config = read
         batch = self._batch(ids, mask, config)
         program = self.program(len(batch.groups), ids.shape[1], config)
         if self.recorder is not None:
             self.recorder.begin_step(self.num_generations)
         with self._abandoning(f"generation {self.num_generations}"):
-            self._agree(ids, mask, config)
             with _eval_mode(self._local_modules()):
                 tokens = self._runtime.run(program[self.rank], batch)
             new = self._share(tokens, batch, config.dst)
@@ -360,14 +371,69 @@ class DecodePipeline:
             new = p2p.wait(p2p.post(sink, meta, "the generated tokens"))
         return new if dst in (None, self.rank) else None
 
-    def _agree(self, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> None:
+    def _read(
+        self,
+        input_ids: Any,
+        attention_mask: torch.Tensor | None,
+        config: GenerationConfig | None,
+        options: Mapping[str, Any],
+    ) -> _Read:
+        """(ids, mask, settings) of a generation, checked. Prompts padded without a mask get
+        one from the pad token, as Hugging Face's generate makes it: the model's own pad
+        token, or the one ``options`` give.
+
+        Raises:
+            ValueError, TypeError: malformed prompts or settings, or more than the model's
+                context or the memory budget holds.
+        """
+        settings = self.settings(config, **options)
+        if attention_mask is None:
+            pad = options.get("pad_token_id", self._own_pad if config is None else None)
+            attention_mask = inferred_mask(input_ids, pad, settings.stop_tokens)
+        ids, mask = prepare_prompts(input_ids, attention_mask, settings.pad_token_id)
+        self._check(ids, settings)
+        return ids, mask, settings
+
+    def _agree(self, read: _Read | None, problem: Exception | None = None) -> None:
         """Every rank must generate from the same prompts and settings: compared before the
-        first message (Note [batch fingerprint])."""
+        first message (Note [batch fingerprint]). A rank with a ``problem`` of its own takes
+        part too, so that every rank raises and the next generation pairs up again.
+
+        Raises:
+            the ``problem`` itself, on a single rank (no exchange).
+        """
         if self._runtime.p2p is None:
+            if problem is not None:
+                raise problem
             return
+        ids, mask, config = read or _NOTHING
         prompts = {"input_ids": ids, "attention_mask": mask, "settings": repr(config)}
-        mine = fingerprint(prompts, None, False, self.device, int(ids.shape[0]))
+        mine = fingerprint(
+            prompts,
+            None,
+            False,
+            self.device,
+            int(ids.shape[0]),
+            "" if problem is None else f"rank {self.rank}: {problem}",
+        )
         agree(self._runtime.p2p, mine, f"generation {self.num_generations}")
+
+    @contextlib.contextmanager
+    def _refused_as(self, problem: Exception | None) -> Iterator[None]:
+        """This rank's own ``problem`` as it was raised, rather than as the refusal the
+        agreement makes of it (every other rank says which rank could not run)."""
+        try:
+            yield
+        except CannotRunError:
+            if problem is not None:
+                raise problem from None
+            raise
+
+    @property
+    def _own_pad(self) -> int | None:
+        """The model's own pad token, if it has one (None for conveyor's GPT)."""
+        pad = getattr(self.lm.generation_config, "pad_token_id", None)
+        return pad if isinstance(pad, int) else None
 
     def _abandoning(self, doing: str) -> contextlib.AbstractContextManager[None]:
         """On an error once messages may move, close this rank's connections so that every
@@ -478,6 +544,13 @@ def _stage_units(lm: CausalLM, balance: Sequence[int]) -> dict[int, range]:
     return {
         s: range(start, start + b) for s, (start, b) in enumerate(zip(starts, balance, strict=True))
     }
+
+
+_Read = tuple[torch.Tensor, torch.Tensor, GenerationConfig]
+"""A generation's prompts, attention mask and settings, checked."""
+
+_NOTHING = (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool), None)
+"""What a rank whose prompts could not be read puts in its fingerprint."""
 
 
 def _stacked(tokens: dict[int, list[torch.Tensor]]) -> torch.Tensor:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["generated_length", "groups_of", "positions_of", "prepare_prompts"]
+__all__ = ["generated_length", "groups_of", "inferred_mask", "positions_of", "prepare_prompts"]
 
 
 def prepare_prompts(
@@ -65,6 +66,19 @@ def prepare_prompts(
     )
     _check_mask(prompts, mask)
     return prompts.to(torch.long).cpu(), mask
+
+
+def inferred_mask(
+    ids: Any, pad_token_id: int | None, stop_tokens: Sequence[int]
+) -> torch.Tensor | None:
+    """The attention mask of a (batch, length) tensor of prompts given without one, read from
+    its pad tokens as Hugging Face's generate reads it: only for a known pad token that is no
+    stop token and that the prompts hold; None where every token counts as real."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or pad_token_id is None:
+        return None
+    if pad_token_id in stop_tokens or not bool((ids == pad_token_id).any()):
+        return None
+    return ids != pad_token_id
 
 
 def _check_ids_dtype(ids: torch.Tensor) -> None:
