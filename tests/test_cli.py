@@ -91,6 +91,7 @@ def test_simulate_reads_a_schedule_file(tmp_path: Path, capsys: pytest.CaptureFi
             "--schedule, --microbatches describe a training schedule, but --decode",
         ),
         (["generate", "--prompt-ids", "1,2,x"], "expected token ids separated by commas"),
+        (["generate", "--balance", "1", "3", "2"], "pass --ranks 3 or a balance of 2 entries"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(

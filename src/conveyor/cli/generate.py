@@ -86,6 +86,12 @@ class GenerateJob:
                 f"--model {self.model!r} is neither 'gpt' nor a directory; pass the directory "
                 "a Hugging Face model was saved to (model.save_pretrained(DIR))"
             )
+        if self.balance is not None and len(self.balance) != self.ranks:
+            raise ValueError(
+                f"--balance gives {len(self.balance)} stages for --ranks {self.ranks}: "
+                f"conveyor generate runs one stage per rank; pass --ranks {len(self.balance)} "
+                f"or a balance of {self.ranks} entries"
+            )
         for text in self.prompt_ids:
             tokens = text.split(",")
             if not all(t.strip().isdigit() for t in tokens):
