@@ -147,7 +147,8 @@ class DataParallel:
         replica, a mistake of code ported from one pipeline, where every rank passes the same
         batch. Collective over the replicas; called once, at the first step."""
         shares: list[tuple[int, int] | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(shares, share, group=self.group)
+        with self._naming_lost("comparing the replicas' first batches"):
+            dist.all_gather_object(shares, share, group=self.group)
         if len(set(shares)) == 1 and dist.get_rank() == 0:
             logger.warning(
                 "all %d data-parallel replicas were given the same batch at their first step, "
