@@ -132,11 +132,8 @@ def _code_of(function: Callable[..., Any]) -> str | None:
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
-    return (
-        isinstance(statement, ast.Expr)
-        and isinstance(statement.value, ast.Constant)
-        and (isinstance(statement.value.value, str))
-    )
+    value = getattr(statement, "value", None)
+    return isinstance(statement, ast.Expr) and isinstance(getattr(value, "value", None), str)
 
 
 _SHIFTED = re.compile(r"labels\s*\[\s*(?:\.\.\.|:)\s*,\s*1\s*:|shift_labels")

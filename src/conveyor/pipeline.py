@@ -178,15 +178,9 @@ class Pipeline:
         """Tensors of meta-built stages nothing has initialized; See Note [meta materialization]."""
         self.stages = self._materialize(ties, weights)
         self._tied_names = ties
-        held = {k: v for st in self.graph.stages if st.module is not None
-                for k, v in st.module.state_dict().items()}  # fmt: skip
-        self._aliases = _aliases(model, set(held))
-        """A held tensor's other names in the plain model that no stage holds."""
-        self._shapes = {k: v.shape for k, v in held.items() if isinstance(v, torch.Tensor)}
-        self._shapes.update((a, self._shapes[k]) for k, als in self._aliases.items() for a in als
-                            if k in self._shapes)  # fmt: skip
-        """The shape of every tensor of the whole model's state_dict (each stage's, on every
-        rank): a state_dict to load is checked against all of it, so every rank agrees."""
+        self._aliases, self._shapes = _whole_state(model, self.graph)
+        """A held tensor's other names that no stage holds; the shape of every tensor of the
+        whole model's state_dict, on every rank, so every rank checks a state_dict alike."""
         if not any(True for _ in self.parameters()):
             logger.warning(
                 "rank %d holds no parameters (stages %s); torch.optim refuses an empty "
@@ -838,10 +832,25 @@ def _shapes(name: str, given: Any, shape: torch.Size) -> str:
     return f"{name} {tuple(given.shape)} (the model's: {tuple(shape)})"
 
 
+def _whole_state(
+    model: nn.Module | StageGraph, graph: StageGraph
+) -> tuple[dict[str, list[str]], dict[str, torch.Size]]:
+    """(aliases, shapes) of the whole model's state_dict: the shape of each tensor every
+    stage holds, under each of its names; and the names no stage holds, by the name a stage
+    holds the same tensor by (a module registered twice, ``self.out = self.shared``, is
+    traced by one of its names, while the plain state_dict has both)."""
+    held = {k: v for st in graph.stages if st.module is not None
+            for k, v in st.module.state_dict().items()}  # fmt: skip
+    aliases = _aliases(model, set(held))
+    shapes = {k: v.shape for k, v in held.items() if isinstance(v, torch.Tensor)}
+    for name, others in aliases.items():
+        shapes.update(dict.fromkeys(others, shapes[name]) if name in shapes else {})
+    return aliases, shapes
+
+
 def _aliases(model: nn.Module | StageGraph, held: set[str]) -> dict[str, list[str]]:
-    """Names of the plain model's tensors that no stage holds (not in ``held``), under the
-    name a stage holds the same tensor by: a module registered twice (``self.out =
-    self.shared``) is traced by one of its names, while the plain state_dict has both."""
+    """Names of the plain model's tensors not in ``held``, by a held name of the same
+    tensor."""
     if not isinstance(model, nn.Module):
         return {}
     by_tensor: dict[int, list[str]] = {}
