@@ -64,8 +64,8 @@ from conveyor.split.stages import EXPORTED
 from conveyor.torch_compat import is_compiled, pytree
 from conveyor.trace import REDUCE, Recorder, Timeline, merge, trace_file_name
 from conveyor.training import clip_grad_norm_, share_loss
-from conveyor.uninitialized import Unset
-from conveyor.weights import WeightFiles, materialize, save_stage_files, write_index
+from conveyor.uninitialized import Unset, listed
+from conveyor.weights import WeightFiles, materialize, save_stage_files, unread, write_index
 
 __all__ = ["Pipeline"]
 
@@ -304,28 +304,65 @@ class Pipeline:
     def _materialize(
         self, ties: list[Tie], weights: str | os.PathLike[str] | None
     ) -> dict[int, nn.Module]:
-        """This rank's stages on its device: meta tensors allocated and read from ``weights``
-        or initialized by the model's own modules (conveyor.weights)."""
+        """This rank's stages on its device: tensors read from ``weights`` as
+        ``from_pretrained`` reads them, meta tensors the files lack initialized by the model's
+        own modules (conveyor.weights). With ``weights``, the ranks then check together that
+        every file key a stage needs was read (collective)."""
         model = self._model if isinstance(self._model, nn.Module) else None
-        files = WeightFiles(weights) if weights is not None else None
-        aliases = {name: [n for _, n in tie.users if n != name] for tie in ties
-                   for _, name in tie.users}  # fmt: skip
+        tied = [[name for _, name in tie.users] for tie in ties]
+        files = WeightFiles(weights, model, tied) if weights is not None else None
         stages = {}
-        for s in self.graph.stages_on(self.rank):
-            module = self.graph.stages[s].module
-            assert module is not None
-            if isinstance(module, fx.GraphModule) and module.meta.get(EXPORTED):
-                place_on(module, self.device)
-            stages[s] = materialize(
-                module,
-                self.device,
-                initialize=initializer(model) if model is not None else initializer(module),
-                owners=model,
-                files=files,
-                aliases=aliases,
-                unset=self._unset,
-            )
+        problem = ""
+        try:
+            for s in self.graph.stages_on(self.rank):
+                module = self.graph.stages[s].module
+                assert module is not None
+                if isinstance(module, fx.GraphModule) and module.meta.get(EXPORTED):
+                    place_on(module, self.device)
+                stages[s] = materialize(
+                    module,
+                    self.device,
+                    initialize=initializer(model) if model is not None else initializer(module),
+                    owners=model,
+                    files=files,
+                    unset=self._unset,
+                )
+        except ValueError as error:
+            if files is None:
+                raise
+            problem = str(error)  # every rank learns of it below, instead of waiting
+        if files is not None:
+            self._check_read(files, problem)
         return stages
+
+    def _check_read(self, files: WeightFiles, problem: str) -> None:
+        """Raise on every rank if a rank failed to load (``problem``), or if a file key that
+        ``from_pretrained`` would read into a stage's tensor was read by no rank; warn about
+        keys it would leave too. See Note [weights as from_pretrained reads them]."""
+        reports: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(reports, (problem, sorted(files.used)), group=self.group)
+        failed = [(r, p) for r, (p, _) in enumerate(reports) if p]
+        if failed:
+            rank, first = failed[0]
+            raise ValueError(first if rank == self.rank else f"rank {rank}: {first}")
+        held = {k for st in self.graph.stages if st.module is not None
+                for k in st.module.state_dict(keep_vars=True)}  # fmt: skip
+        missed = unread(files, held, [k for _, used in reports for k in used])
+        if missed:
+            raise ValueError(
+                f"weights in {files.directory}: {listed(missed)} fill tensors of this model "
+                "(as from_pretrained reads them), but no rank read them; this is a conveyor "
+                "bug, please report it with the model's class; build the model on a real "
+                "device and load it with from_pretrained meanwhile"
+            )
+        if self.rank == 0 and files.keys.ignored:
+            logger.warning(
+                "weights in %s: %s fill no tensor of %s and were not loaded (from_pretrained "
+                "leaves them too)",
+                files.directory,
+                listed(files.keys.ignored),
+                type(self._model).__name__,
+            )
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         """Write the whole model's weights to ``directory`` (collective): each rank writes its

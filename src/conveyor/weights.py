@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from conveyor.files import atomic_path, write_atomic
 from conveyor.uninitialized import Unset, listed
+from conveyor.weight_keys import key_map
 
 __all__ = ["INDEX", "Initializer", "WeightFiles", "materialize", "save_stage_files", "write_index"]
 
@@ -35,9 +36,15 @@ SINGLE = "model.safetensors"
 
 
 class WeightFiles:
-    """A directory of safetensors weights, read one tensor at a time."""
+    """A directory of safetensors weights, read one tensor at a time by model name (through
+    the model's key map, conveyor.weight_keys), remembering which file keys were read."""
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        model: nn.Module | None = None,
+        tied: Iterable[Sequence[str]] = (),
+    ) -> None:
         from safetensors import safe_open
 
         self.directory = Path(directory)
@@ -53,18 +60,27 @@ class WeightFiles:
                 "directory written by save_pretrained)"
             )
         self.weight_map = weight_map
+        self.keys = key_map(model, weight_map, tied)
+        """Which file keys fill which model tensor; See Note [weights as from_pretrained
+        reads them]."""
+        self.used: set[str] = set()
+        """File keys read so far."""
         self._open: dict[str, Any] = {}
         self._safe_open = safe_open
 
-    def get(self, name: str) -> torch.Tensor | None:
-        """The tensor stored under ``name`` (read now, from its shard), or None."""
-        shard = self.weight_map.get(name)
-        if shard is None:
-            return None
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor stored under file key ``key`` (read now, from its shard)."""
+        shard = self.weight_map[key]
         if shard not in self._open:
             self._open[shard] = self._safe_open(self.directory / shard, framework="pt")
-        tensor: torch.Tensor = self._open[shard].get_tensor(name)
+        tensor: torch.Tensor = self._open[shard].get_tensor(key)
+        self.used.add(key)
         return tensor
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The model tensor ``name`` as ``from_pretrained`` reads it, or None if the files
+        have no source for it."""
+        return self.keys.read(name, self.get)
 
 
 Initializer = Callable[[str, nn.Module], bool]
@@ -79,11 +95,10 @@ def materialize(
     initialize: Initializer,
     owners: nn.Module | None = None,
     files: WeightFiles | None = None,
-    aliases: Mapping[str, Sequence[str]] | None = None,
     unset: Unset | None = None,
 ) -> nn.Module:
-    """``stage`` on ``device``: tensors on the meta device are allocated there, read from
-    ``files`` (under their own name or a tied ``aliases`` name) or else initialized by
+    """``stage`` on ``device``, its tensors read from ``files`` as ``from_pretrained`` reads
+    them; tensors on the meta device the files lack are allocated and initialized by
     ``initialize`` on the module of ``owners`` (default: the stage) that owns them, children
     before parents. A tensor shared under several names stays one tensor. Tensors nothing
     initialized are added to ``unset`` (logged; they can still be loaded), or without one
@@ -94,7 +109,7 @@ def materialize(
             neither in the files nor initialized.
     """
     tensors = _named_tensors(stage)
-    if not any(t.is_meta for t in tensors.values()):
+    if files is None and not any(t.is_meta for t in tensors.values()):
         return stage.to(device)
     made: dict[int, torch.Tensor] = {}
     pending: dict[str, torch.Tensor] = {}
@@ -103,42 +118,44 @@ def materialize(
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        if not tensor.is_meta:
-            made[id(tensor)] = tensor.to(device)
-            continue
-        loaded = _read(files, name, tensor, aliases or {})
-        if loaded is None:
+        loaded = _read(files, name, tensor)
+        if loaded is not None:
+            made[id(tensor)] = loaded.to(device)
+        elif tensor.is_meta:
             pending[name] = tensor
         else:
-            made[id(tensor)] = loaded.to(device)
+            made[id(tensor)] = tensor.to(device)
+    saved = set(stage.state_dict(keep_vars=True))
+    lacking = [name for name in pending if name in saved]
+    if files is not None and lacking:
+        logger.warning(
+            "%s are not in %s and were initialized by the model's own initializer, as "
+            "from_pretrained initializes what a checkpoint lacks",
+            listed(lacking),
+            files.directory,
+        )
     left = Unset()
     made.update(_initialized(pending, device, owners or stage, initialize, left))
     _report(left, unset)
-    saved = set(stage.state_dict(keep_vars=True))
     for name, tensor in tensors.items():
         _put(stage, name, made[id(tensor)], tensor, name in saved)
     return stage
 
 
-def _read(
-    files: WeightFiles | None,
-    name: str,
-    meta: torch.Tensor,
-    aliases: Mapping[str, Sequence[str]],
-) -> torch.Tensor | None:
-    if files is None:
+def _read(files: WeightFiles | None, name: str, old: torch.Tensor) -> torch.Tensor | None:
+    """Model tensor ``name`` from ``files`` in ``old``'s dtype, or None if they lack it."""
+    tensor = files.tensor(name) if files is not None else None
+    if tensor is None:
         return None
-    for candidate in (name, *aliases.get(name, ())):
-        tensor = files.get(candidate)
-        if tensor is None:
-            continue
-        if tensor.shape != meta.shape:
-            raise ValueError(
-                f"{candidate!r} in {files.directory} has shape {tuple(tensor.shape)}, but the "
-                f"model's {name!r} is {tuple(meta.shape)}; load weights of this model's config"
-            )
-        return tensor.to(meta.dtype)
-    return None
+    assert files is not None
+    if tensor.shape != old.shape:
+        source = files.keys.sources[name].keys
+        raise ValueError(
+            f"{listed(list(source))} in {files.directory} make a tensor of shape "
+            f"{tuple(tensor.shape)} for the model's {name!r}, which is {tuple(old.shape)}; "
+            "load weights of this model's config"
+        )
+    return tensor.to(old.dtype)
 
 
 def _initialized(
@@ -236,3 +253,11 @@ def write_index(directory: Path, shards: Sequence[tuple[str, Mapping[str, int]]]
     total = sum(size for _, sizes in shards for size in sizes.values())
     data = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return write_atomic(directory / INDEX, json.dumps(data, indent=2) + "\n")
+
+
+def unread(files: WeightFiles, held: Iterable[str], read: Iterable[str]) -> list[str]:
+    """File keys ``from_pretrained`` reads into a tensor some stage holds (``held``, the names
+    of every stage's tensors) that no rank read (``read``, every rank's ``files.used``)."""
+    sources = files.keys.sources
+    wanted = {key for name in held if name in sources for key in sources[name].keys}
+    return sorted(wanted - set(read))
