@@ -163,6 +163,78 @@ def test_micro_batches_weighted_by_their_counted_labels_make_the_full_batch_loss
     torch.testing.assert_close((losses * weights).sum(), expected)
 
 
+def roberta_classifier(num_labels: int = 3) -> nn.Module:
+    config = transformers.RobertaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=40, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=num_labels, pad_token_id=1,
+    )  # fmt: skip
+    return transformers.RobertaForSequenceClassification(config)
+
+
+def ignored_class_labels(generator: torch.Generator, classes: int = 3) -> torch.Tensor:
+    """8 class labels, -100 (ignored) unevenly: micro-batch 1 of 4 has none that count."""
+    labels = torch.randint(0, classes, (8,), generator=generator)
+    labels[[2, 3, 5]] = -100
+    return labels
+
+
+def _weighted(losses: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The runtime's weighting: a micro-batch that counts nothing adds nothing (not NaN)."""
+    weights = torch.tensor(counts, dtype=losses.dtype) / sum(counts)
+    return torch.where(weights > 0, losses * weights, torch.zeros(())).sum()
+
+
+@pytest.mark.parametrize("kind", ["text", "image", "regression"])
+def test_one_label_per_sample_is_weighted_by_the_labels_that_count(kind: str) -> None:
+    """Classification ignores -100 labels (a micro-batch may count none); a regression counts
+    every sample."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(5)
+    if kind == "image":
+        model, batch = vit().eval(), image_batch()
+        batch["labels"] = ignored_class_labels(generator, 5)
+    else:
+        model = roberta_classifier(1 if kind == "regression" else 3).eval()
+        batch = {k: v for k, v in text_batch().items() if k != "labels"}
+        batch["labels"] = (
+            torch.randn(8, generator=generator) if kind == "regression"
+            else ignored_class_labels(generator)
+        )  # fmt: skip
+    chunks = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
+    counts = label_counts(model, [chunk["labels"] for chunk in chunks])
+    assert counts == ([2, 2, 2, 2] if kind == "regression" else [2, 0, 1, 2])
+    with torch.no_grad():
+        losses = torch.stack([model(**chunk).loss for chunk in chunks])
+        expected = model(**batch).loss
+    torch.testing.assert_close(_weighted(losses, counts), expected)
+
+
+def _classifiers_with_ignored_labels(rank: int, world_size: int) -> None:
+    generator = torch.Generator().manual_seed(5)
+    text = {k: v for k, v in text_batch().items() if k != "labels"}
+    cases = [
+        (roberta_classifier, {"split_points": ["roberta.encoder.layer.1"]},
+         {**text, "labels": ignored_class_labels(generator)}),
+        (vit, {"split_points": ["vit.layers.2"]},
+         {**image_batch(), "labels": ignored_class_labels(generator, 5)}),
+    ]  # fmt: skip
+    for build, options, batch in cases:
+        torch.manual_seed(0)
+        model = build()
+        plain = copy.deepcopy(model)
+        pipe = conveyor.Pipeline(
+            model, num_microbatches=4, example_inputs=batch, timeout_s=60, **options
+        )
+        check_against_plain(pipe, plain, batch)
+
+
+def test_classifiers_with_ignored_labels_train_as_plain(tmp_path: Path) -> None:
+    """A micro-batch whose labels are all -100 made the step's loss NaN; others were weighted
+    by their samples, not the labels that count."""
+    run_ranks(_classifiers_with_ignored_labels, tmp_path, 2, timeout_s=400)
+
+
 def test_a_sum_of_two_losses_is_refused_naming_loss_fn() -> None:
     """BERT's pre-training adds its next-sentence loss (a mean over samples) to the masked LM's
     (a mean over tokens): no weights make the full batch's from micro-batches'."""

@@ -163,7 +163,8 @@ def label_counts(
     model: nn.Module, labels: list[Any], inputs: Mapping[str, Any] | None = None
 ) -> list[int]:
     """What the model's own loss averages over in each micro-batch: counted tokens for
-    token-level labels, samples for one label per sample. ``inputs`` is a micro-batch's
+    token-level labels, samples whose class label is not -100 for one label per sample (every
+    sample for a regression). ``inputs`` is a micro-batch's
     inputs by name: what they ask the forward to add to the loss is refused.
 
     Raises:
@@ -195,5 +196,19 @@ def label_counts(
                 "targets) -> loss and the labels as targets, with loss_reduction='token_mean' "
                 "for a mean over the tokens whose label is not -100"
             )
-        counts.append(counted_tokens(chunk, bool(shift)) if token_level else int(chunk.shape[0]))
+        if token_level:
+            counts.append(counted_tokens(chunk, bool(shift)))
+        else:
+            counts.append(_counted_samples(model, chunk))
     return counts
+
+
+def _counted_samples(model: nn.Module, labels: torch.Tensor) -> int:
+    """What a loss with one label per sample averages over: the samples whose class label is
+    not -100 (a cross entropy ignores them), or every sample of a regression or of
+    multi-label targets (floats, or one output: a mean of squared errors counts them all)."""
+    config = getattr(model, "config", None)
+    regression = getattr(config, "problem_type", None) == "regression"
+    if labels.is_floating_point() or regression or getattr(config, "num_labels", None) == 1:
+        return int(labels.shape[0])
+    return counted_tokens(labels)
