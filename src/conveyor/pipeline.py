@@ -146,7 +146,7 @@ class Pipeline:
             None if set(options) & set(get_args(SplitMethod)) else plan
         )  # the plan file the split comes from, if any
         self.split_points, self.graph = _split_as_planned(
-            model, config, self.num_ranks, concrete_args, example_inputs, planned
+            model, config, self.num_ranks, concrete_args, example_inputs, planned, self.mesh
         )
         self.topology = self.graph.topology()
         if (
@@ -908,6 +908,7 @@ def _split_as_planned(
     concrete_args: dict[str, Any] | None,
     example_inputs: Any,
     plan: str | os.PathLike[str] | None,
+    mesh: PipelineMesh | None = None,
 ) -> tuple[tuple[str, ...], StageGraph]:
     """``_split``, checked against the number of ranks; when the split comes from a plan file
     (``plan=`` or ``conveyor run --plan``), an error says so: a plan fits the model and the
@@ -915,11 +916,7 @@ def _split_as_planned(
     try:
         split_points, graph = _split(model, config, num_ranks, concrete_args, example_inputs)
         if graph.num_ranks != num_ranks:
-            raise ValueError(
-                f"the split places stages on {graph.num_ranks} ranks but the "
-                f"process group has {num_ranks}; launch with "
-                f"`conveyor run -n {graph.num_ranks}` or change the split"
-            )
+            raise ValueError(_ranks_mismatch(graph.num_ranks, num_ranks, mesh))
     except (ValueError, TypeError) as error:
         source = plan
         if source is None:
@@ -975,6 +972,25 @@ def _split(
     split_points = _split_points(model, config, num_ranks)
     graph = split_model(model, split_points, config.placement, concrete_args, **traced)
     return split_points, graph
+
+
+def _ranks_mismatch(needed: int, num_ranks: int, mesh: PipelineMesh | None) -> str:
+    """Why a split over ``needed`` ranks does not fit a pipeline of ``num_ranks``, and the
+    launch that would fit it (on a mesh, in its dp, pp and tp sizes)."""
+    if mesh is None:
+        return (
+            f"the split places stages on {needed} ranks but the process group has "
+            f"{num_ranks}; launch with `conveyor run -n {needed}` or change the split"
+        )
+    shape = mesh.shape
+    world = shape.dp * shape.pp * shape.tp
+    fits = shape.dp * needed * shape.tp
+    return (
+        f"the split places stages on {needed} pipeline ranks but the mesh has pp={shape.pp} "
+        f"(dp={shape.dp} x pp={shape.pp} x tp={shape.tp} on a world of {world}); change the "
+        f"split to {shape.pp} pipeline ranks, or run pp={needed} on {fits} ranks "
+        f"(`conveyor run -n {fits}` with dp={shape.dp}{f', tp={shape.tp}' if shape.tp > 1 else ''})"
+    )
 
 
 def _blame_plan(error: ValueError, plan: str | os.PathLike[str] | None) -> None:
