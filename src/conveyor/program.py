@@ -18,6 +18,7 @@ __all__ = [
     "add_communication",
     "last_weight_actions",
     "matching_recv",
+    "matching_send",
     "receives_needed",
     "sends_after",
 ]
@@ -97,6 +98,15 @@ class Action:
         if arrow is not None and (arrow == ">") != action_kind.is_send:
             raise ValueError(f"action {text!r}: sends use '>' and receives use '<'")
         return cls(int(stage), action_kind, int(microbatch), None if peer is None else int(peer))
+
+    @classmethod
+    def read(cls, text: str) -> Action | None:
+        """The action ``text`` names, or None for text that names none (a timeline's waits,
+        reductions and recomputations)."""
+        try:
+            return cls.parse(text)
+        except ValueError:
+            return None
 
 
 # Note [decode programs]:
@@ -232,9 +242,17 @@ def sends_after(
 
 
 def matching_recv(send: Action) -> Action:
+    """The receive that gets ``send``'s message: ``0SF0>1`` -> ``1RF0<0``."""
     kind = Kind.RECV_F if send.kind is Kind.SEND_F else Kind.RECV_B
     assert send.peer is not None
     return Action(send.peer, kind, send.microbatch, send.stage)
+
+
+def matching_send(recv: Action) -> Action:
+    """The send whose message ``recv`` gets: ``1RF0<0`` -> ``0SF0>1``."""
+    kind = Kind.SEND_F if recv.kind is Kind.RECV_F else Kind.SEND_B
+    assert recv.peer is not None
+    return Action(recv.peer, kind, recv.microbatch, recv.stage)
 
 
 # Note [receive placement]:
