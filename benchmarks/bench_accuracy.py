@@ -51,7 +51,7 @@ from conveyor.planner import (
     predict,
     profile_together,
 )
-from conveyor.schedule import SCHEDULES, build_program, layout_of
+from conveyor.schedule import SCHEDULES, build_program, spec_of
 from conveyor.split import even_balance
 from conveyor.trace import write_png
 
@@ -100,7 +100,7 @@ def _two_tower() -> Workload:
 
 def _chain_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]], list[int]]]:
     """The schedule's layout on 2 ranks with the Pipeline's default even split."""
-    wanted = layout_of(schedule)
+    wanted = spec_of(schedule)
     num_stages = 2 * wanted.virtual_stages
     balance = even_balance(num_units, num_stages)
     starts = [sum(balance[:i]) for i in range(num_stages)]
@@ -111,7 +111,7 @@ def _chain_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]],
 def _tower_layouts(schedule: str, num_units: int) -> list[tuple[list[list[int]], list[int]]]:
     """Text | image + head on two ranks (the towers run side by side); for the graph schedules
     also text | image | head with the head beside the image tower."""
-    if layout_of(schedule).virtual_stages > 1:
+    if spec_of(schedule).virtual_stages > 1:
         return []  # 3 layers cannot make 2 stages per rank
     found = [([[0], [1, 2]], [0, 1])]
     if schedule.startswith("graph-"):

@@ -32,7 +32,7 @@ from report import write_section
 from conveyor import Pipeline
 from conveyor.models.unbalanced import MLPBlock, mse, regression_batch
 from conveyor.planner import Workload, fit_to_run, plan, profile_together, trace_units
-from conveyor.schedule import SCHEDULES, layout_of
+from conveyor.schedule import SCHEDULES, spec_of
 
 BUDGET = 1 << 30
 GRID = (2, 4, 8, 16)
@@ -105,7 +105,7 @@ def _even(model: Model, module: nn.Module, schedule: str, m: int) -> dict[str, A
     fields: dict[str, Any] = {"schedule": schedule, "num_microbatches": m}
     if not isinstance(module, nn.Sequential):  # cut before the middle layer
         targets = [u.target for u in trace_units(module)[2] if u.target]
-        num_stages = 2 * layout_of(schedule).virtual_stages
+        num_stages = 2 * spec_of(schedule).virtual_stages
         fields["split_points"] = [
             targets[round(i * len(targets) / num_stages)] for i in range(1, num_stages)
         ]

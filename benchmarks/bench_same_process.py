@@ -50,7 +50,7 @@ import conveyor
 from conveyor.graph import place
 from conveyor.models import gpt, gpt_loss, text_batches
 from conveyor.runtime.memory import LiveSavedTensors, alive_peak
-from conveyor.schedule import layout_of
+from conveyor.schedule import spec_of
 
 RANKS = 2
 
@@ -117,7 +117,7 @@ class Runs:
 def add_conveyor(
     runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
 ) -> None:
-    stages = layout_of(case.name).virtual_stages * RANKS
+    stages = spec_of(case.name).virtual_stages * RANKS
     pipe, metered = (
         conveyor.Pipeline(
             model(args),
@@ -154,7 +154,7 @@ def add_peer(
     runs: Runs, case: Case, args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
 ) -> None:
     assert case.peer is not None
-    layout = layout_of(case.name)
+    layout = spec_of(case.name)
     num_stages = layout.virtual_stages * RANKS
     ranks = place(num_stages, RANKS, layout.placement)
     layers = list(model(args).children())

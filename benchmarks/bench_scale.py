@@ -36,7 +36,7 @@ from conveyor.planner import (
     profile_model,
     split_units,
 )
-from conveyor.schedule import SCHEDULES, build_program, layout_of
+from conveyor.schedule import SCHEDULES, build_program, spec_of
 from conveyor.split import even_balance
 
 MICROBATCH = 4
@@ -99,7 +99,7 @@ def scaled_gpt(measured: Profile, blocks: int = BLOCKS, equal: bool = False) -> 
 
 def simulate(profile: Profile, schedule: str, num_ranks: int, m: int) -> tuple[float, float]:
     """(step seconds, bubble fraction) of ``schedule`` on ``num_ranks`` ranks, even split."""
-    wanted = layout_of(schedule)
+    wanted = spec_of(schedule)
     num_stages = wanted.virtual_stages * num_ranks
     graph, units = layout(
         profile,
@@ -125,7 +125,7 @@ def _balance(profile: Profile, num_stages: int) -> list[int]:
 
 def theory(schedule: str, p: int, m: int) -> str:
     """The literature's bubble fraction for F = I = W (B = 2F), where there is one."""
-    v = layout_of(schedule).virtual_stages
+    v = spec_of(schedule).virtual_stages
     if schedule in ("gpipe", "1f1b", "graph-gpipe", "graph-1f1b"):
         return f"{(p - 1) / (m + p - 1):.1%}"  # (p-1)/(m+p-1): GPipe, 1F1B
     if schedule == "interleaved-1f1b":

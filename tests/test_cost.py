@@ -25,14 +25,14 @@ from conveyor.planner import (
     profile_model,
     split_units,
 )
-from conveyor.schedule import SCHEDULES, Action, Kind, Program, layout_of
+from conveyor.schedule import SCHEDULES, Action, Kind, Program, spec_of
 from conveyor.simulator import simulate
 from conveyor.trace import Timeline
 from dist import run_ranks
 
 
 def _layout(name: str, num_ranks: int) -> tuple[int, list[int]]:
-    wanted = layout_of(name)
+    wanted = spec_of(name)
     num_stages = wanted.virtual_stages * num_ranks
     return num_stages, place(num_stages, num_ranks, wanted.placement)
 

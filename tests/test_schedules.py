@@ -11,17 +11,15 @@ from conveyor.cli import main
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain, place
 from conveyor.runtime.memory import alive_peak
 from conveyor.schedule import (
-    LAYOUTS,
     SCHEDULES,
-    Layout,
     Program,
     ProgramError,
     build_program,
     from_text,
     interleaved_1f1b,
-    layout_of,
     one_f_one_b,
     schedule_name,
+    spec_of,
     stage_placement,
     validate,
     zb_h1,
@@ -37,7 +35,7 @@ def compute(program: Program, rank: int) -> list[str]:
 
 def graph_for(name: str, num_ranks: int, virtual_stages: int = 0) -> StageGraph:
     """A chain laid out as the schedule wants it."""
-    layout = layout_of(name)
+    layout = spec_of(name)
     per_rank = virtual_stages or layout.virtual_stages
     stages = num_ranks * per_rank
     return chain(stages, placement=place(stages, num_ranks, layout.placement))
@@ -273,15 +271,20 @@ def test_place() -> None:
 
 
 def test_layouts() -> None:
-    assert layout_of("zb-v") == Layout(2, "v", exact=True)
-    assert layout_of("interleaved-1f1b") == Layout(2, "loop")
-    assert layout_of("1f1b") == Layout() == layout_of("my_schedule.txt")
-    assert set(LAYOUTS) <= set(SCHEDULES)
+    zb_v_spec, interleaved = spec_of("zb-v"), spec_of("interleaved-1f1b")
+    assert (zb_v_spec.virtual_stages, zb_v_spec.placement, zb_v_spec.exact) == (2, "v", True)
+    assert (interleaved.virtual_stages, interleaved.placement) == (2, "loop")
+    assert spec_of(zb_v) is zb_v_spec and zb_v_spec.needs_chain and zb_v_spec.split_backward
+    assert spec_of("1f1b").virtual_stages == spec_of("my_schedule.txt").virtual_stages == 1
+    # a spec's split_backward is what its Programs do
+    for name, spec in SCHEDULES.items():
+        program = spec(graph_for(name, 2), 4)
+        assert program.has_split_backward == spec.split_backward, name
 
 
 def test_a_schedule_function_is_named_in_configs_and_logs() -> None:
     """A shipped function by its name, so it gets its layout; any other by where it lives."""
-    assert schedule_name(zb_v) == "zb-v" and layout_of(schedule_name(zb_v)) == LAYOUTS["zb-v"]
+    assert schedule_name(zb_v) == "zb-v" and spec_of(schedule_name(zb_v)) is SCHEDULES["zb-v"]
     assert schedule_name(interleaved_1f1b) == "interleaved-1f1b"
     assert schedule_name("mine.txt") == "mine.txt"
 
@@ -340,7 +343,7 @@ def test_interleaving_needs_a_chain() -> None:
     graph = StageGraph(stages)
     expected = r"but stage 0 feeds stages \[1, 2\].*one of 'gpipe', 'graph-1f1b', 'graph-gpipe',"
     with pytest.raises(ValueError, match=expected):
-        interleaved_1f1b(graph, 4)
+        SCHEDULES["interleaved-1f1b"](graph, 4)  # the registry names the alternatives
     with pytest.raises(ValueError, match="rank 0 holds stages \\[0, 2\\]; use one of 'gpipe'"):
         SCHEDULES["1f1b"](graph, 4)
 

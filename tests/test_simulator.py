@@ -8,12 +8,12 @@ import pytest
 
 from conveyor import build_program, chain
 from conveyor.graph import place
-from conveyor.schedule import SCHEDULES, Action, Kind, Program, layout_of
+from conveyor.schedule import SCHEDULES, Action, Kind, Program, spec_of
 from conveyor.simulator import DeadlockError, UnitCost, simulate
 
 
 def _layout(name: str, num_ranks: int) -> tuple[int, list[int]]:
-    wanted = layout_of(name)
+    wanted = spec_of(name)
     num_stages = wanted.virtual_stages * num_ranks
     return num_stages, place(num_stages, num_ranks, wanted.placement)
 

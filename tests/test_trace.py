@@ -14,7 +14,7 @@ from torch import nn
 
 from conveyor import Pipeline
 from conveyor.graph import place
-from conveyor.schedule import SCHEDULES, layout_of
+from conveyor.schedule import SCHEDULES, spec_of
 from conveyor.trace import (
     Event,
     Recorder,
@@ -282,7 +282,7 @@ def _recorded_worker(rank: int, world_size: int, root: str) -> None:
     inputs = torch.randn(8, 8, dtype=torch.float64)
     targets = torch.randn(8, 4, dtype=torch.float64)
     for name in sorted(SCHEDULES):
-        wanted = layout_of(name)
+        wanted = spec_of(name)
         num_stages = wanted.virtual_stages * world_size
         placement = tuple(place(num_stages, world_size, wanted.placement))
         balance = (5,) if num_stages == 1 else {2: (3, 2), 4: (2, 1, 1, 1)}[num_stages]

@@ -32,7 +32,7 @@ from conveyor.parallel import (
 )
 from conveyor.parallel.data_parallel import local
 from conveyor.parallel.tensor_parallel import check_plan
-from conveyor.program import Kind, Program
+from conveyor.program import Program
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
@@ -43,11 +43,11 @@ from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import Tie, TiedWeights, find_ties
 from conveyor.schedule import (
-    LAYOUTS,
     Schedule,
     build_program,
     forward_only,
     schedule_name,
+    spec_of,
     stage_placement,
 )
 from conveyor.simulator import simulate
@@ -244,7 +244,7 @@ class Pipeline:
             self.stages,
             mesh.dp_mesh,
             fsdp=config.fsdp,
-            split_backward=any(a.kind is Kind.W for actions in self.program for a in actions),
+            split_backward=self.program.has_split_backward,
             tensor_parallel=mesh.tp_mesh is not None and bool(tp_plan),
             tied=[shared.param for shared in self.ties.params],
             timeout=timedelta(seconds=config.timeout_s),
@@ -257,7 +257,7 @@ class Pipeline:
         weight gradients are DTensors, which it cannot keep from I to W), and stages split
         through torch.export (their modules are graph modules, not the nn.Linear and
         nn.Embedding a plan shards)."""
-        if any(a.kind is Kind.W for actions in self.program for a in actions):
+        if self.program.has_split_backward:
             raise ValueError(
                 f"schedule {self.config.schedule!r} splits the backward into I and W, which "
                 "tensor parallelism does not support; pick gpipe, 1f1b or interleaved-1f1b "
@@ -951,7 +951,7 @@ def _split(
         "tracer": config.tracer,
         # interleaved 1F1B and ZB-V run chains: a value that skips stages (a skip connection,
         # a transformer's mask and rotary tables) is passed through every stage between
-        "relay_skips": isinstance(config.schedule, str) and config.schedule in LAYOUTS,
+        "relay_skips": spec_of(config.schedule).needs_chain,
     }
     if config.stage_modules is not None:
         graph = split_by_modules(

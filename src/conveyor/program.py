@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -15,6 +15,8 @@ __all__ = [
     "Feedback",
     "Kind",
     "Program",
+    "Schedule",
+    "ScheduleMismatch",
     "add_communication",
     "last_weight_actions",
     "matching_recv",
@@ -109,6 +111,15 @@ class Action:
             return None
 
 
+Schedule = Callable[[StageGraph, int], "Program"]
+"""A schedule: (stage graph, number of micro-batches) -> Program."""
+
+
+class ScheduleMismatch(ValueError):  # noqa: N818  # read as "a schedule mismatch"
+    """A schedule cannot run a graph as it is placed (a branch where it runs chains, several
+    stages on a rank where it runs one); conveyor.schedule.registry adds which schedules can."""
+
+
 # Note [decode programs]:
 # Generation is a Program too. Its micro-batches are *items*: one pass of a group of sequences
 # through every stage, for a chunk of their prompts or for one new token. Two things set a
@@ -148,6 +159,11 @@ class Program:
 
     def __getitem__(self, rank: int) -> tuple[Action, ...]:
         return self.ranks[rank]
+
+    @cached_property
+    def has_split_backward(self) -> bool:
+        """Whether backward is split into I and W (zero-bubble schedules) on some rank."""
+        return any(a.kind is Kind.W for actions in self.ranks for a in actions)
 
     def __len__(self) -> int:
         return len(self.ranks)

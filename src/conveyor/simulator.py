@@ -156,7 +156,7 @@ class _Execution:
         self.reduce = getattr(cost, "reduce", None)
         self.reduced_after = [last_weight_actions(actions) for actions in program]
         in_flight = getattr(cost, "reduces_in_flight", None)
-        split_backward = any(a.kind is Kind.W for actions in program for a in actions)
+        split_backward = program.has_split_backward
         self.reduces_in_flight = bool(in_flight and in_flight(split_backward))
         """Reductions run behind the step (DDP's reducer), one at a time per rank."""
         self.in_flight: list[list[tuple[int, float]]] = [[] for _ in range(num_ranks)]

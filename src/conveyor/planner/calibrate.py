@@ -33,7 +33,7 @@ from conveyor.planner.search import microbatch_counts, microbatch_sizes, plan, u
 from conveyor.planner.workloads import load_workload
 from conveyor.program import Action
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.schedule import SCHEDULES, layout_of
+from conveyor.schedule import SCHEDULES, spec_of
 from conveyor.trace import Event, Timeline
 
 __all__ = [
@@ -443,7 +443,7 @@ def measured_profile(
     (``profile_local``)."""
     names = list(SCHEDULES) if schedules is None else list(schedules)
     counts = microbatch_counts(batch_size, num_ranks, names, microbatches)
-    max_virtual = max(layout_of(n).virtual_stages for n in names)
+    max_virtual = max(spec_of(n).virtual_stages for n in names)
     depth = unit_depth(workload.model, num_ranks * max_virtual)
     if spec is not None:
         return profile_local(

@@ -23,7 +23,7 @@ from conveyor.planner.cost import Replicas
 from conveyor.planner.profile import Link, Profile, Workload, profile_model
 from conveyor.planner.report import Plan, PlanReport
 from conveyor.planner.search import microbatch_counts, microbatch_sizes, plan, unit_depth
-from conveyor.schedule import SCHEDULES, layout_of
+from conveyor.schedule import SCHEDULES, spec_of
 
 __all__ = ["MeshPlan", "MeshReport", "plan_mesh"]
 
@@ -207,6 +207,6 @@ def _profile_once(
     for dp, pp in layouts:
         counts = microbatch_counts(batch_size // dp, pp, names, microbatches)
         sizes.update(microbatch_sizes(batch_size // dp, counts))
-    deepest = max(pp for _, pp in layouts) * max(layout_of(n).virtual_stages for n in names)
+    deepest = max(pp for _, pp in layouts) * max(spec_of(n).virtual_stages for n in names)
     depth = unit_depth(workload.model, deepest)
     return profile_model(workload, sorted(sizes), depth=depth)

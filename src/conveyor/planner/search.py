@@ -38,7 +38,7 @@ from conveyor.planner.profile import Profile, Workload, profile_model, trace_uni
 from conveyor.planner.report import Objective, Plan, PlanReport
 from conveyor.program import Program
 from conveyor.runtime.recompute import RECOMPUTE_MODES, RecomputeMode
-from conveyor.schedule import SCHEDULES, layout_of, stage_placement
+from conveyor.schedule import SCHEDULES, spec_of, stage_placement
 from conveyor.simulator import DeadlockError
 
 __all__ = ["microbatch_counts", "microbatch_sizes", "plan", "unit_depth"]
@@ -106,7 +106,7 @@ def plan(
         num_ranks,
         batch_size,
         counts,
-        max(layout_of(n).virtual_stages for n in names),
+        max(spec_of(n).virtual_stages for n in names),
     )
     searching = time.perf_counter()  # the time budget is the search's: profiling is not in it
     # a graph model is also cut along an order that keeps each branch whole (conveyor.split.cut),
@@ -232,7 +232,7 @@ def microbatch_counts(
 ) -> list[int]:
     if microbatches is not None:
         return list(microbatches)
-    counts = _divisors(batch_size, 8 * num_ranks * max(layout_of(n).virtual_stages for n in names))
+    counts = _divisors(batch_size, 8 * num_ranks * max(spec_of(n).virtual_stages for n in names))
     enough = [m for m in counts if m >= num_ranks]  # fewer than one per rank idles ranks
     return enough or counts
 

@@ -4,29 +4,31 @@
     program = one_f_one_b(chain(2), 2); str(program)                 # "0F0 0SF0>1 ..."
 
 Modules: ``chain`` (GPipe, 1F1B, forward-only), ``interleaved``, ``zero_bubble`` (ZB-H1, ZB-V),
-``dag`` (list schedules over any DAG of stages), ``validate``, ``layout`` (stages per rank and
-their placement) and ``build`` (schedules by name, from text). The actions and Programs they
+``dag`` (list schedules over any DAG of stages), ``validate``, ``registry`` (one spec per
+shipped schedule: builder, layout, what it runs), ``layout`` (the rank of every stage) and
+``build`` (schedules by name, from text). The actions and Programs they
 produce are ``conveyor.program``'s.
 """
 
-from conveyor.program import Action, Kind, Program
-from conveyor.schedule.build import SCHEDULES, build_program, from_text, schedule_name
+from conveyor.program import Action, Kind, Program, Schedule, ScheduleMismatch
+from conveyor.schedule.build import build_program, from_text, schedule_name
 from conveyor.schedule.chain import forward_only, gpipe, one_f_one_b
 from conveyor.schedule.dag import graph_1f1b, graph_gpipe, list_schedule
 from conveyor.schedule.interleaved import interleaved_1f1b
-from conveyor.schedule.layout import LAYOUTS, Layout, Schedule, layout_of, stage_placement
+from conveyor.schedule.layout import stage_placement
+from conveyor.schedule.registry import SCHEDULES, ScheduleSpec, schedules_for, spec_of
 from conveyor.schedule.validate import ProgramError, validate
 from conveyor.schedule.zero_bubble import zb_h1, zb_v
 
 __all__ = [
-    "LAYOUTS",
     "SCHEDULES",
     "Action",
     "Kind",
-    "Layout",
     "Program",
     "ProgramError",
     "Schedule",
+    "ScheduleMismatch",
+    "ScheduleSpec",
     "build_program",
     "forward_only",
     "from_text",
@@ -34,10 +36,11 @@ __all__ = [
     "graph_1f1b",
     "graph_gpipe",
     "interleaved_1f1b",
-    "layout_of",
     "list_schedule",
     "one_f_one_b",
     "schedule_name",
+    "schedules_for",
+    "spec_of",
     "stage_placement",
     "validate",
     "zb_h1",

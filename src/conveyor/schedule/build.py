@@ -9,26 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from conveyor.graph import StageGraph
-from conveyor.program import Program, add_communication
-from conveyor.schedule.chain import gpipe, one_f_one_b
-from conveyor.schedule.dag import graph_1f1b, graph_gpipe
-from conveyor.schedule.interleaved import interleaved_1f1b
-from conveyor.schedule.layout import Schedule
+from conveyor.program import Program, Schedule, add_communication
+from conveyor.schedule.registry import SCHEDULES, spec_of
 from conveyor.schedule.validate import validate
-from conveyor.schedule.zero_bubble import zb_h1, zb_v
 
-__all__ = ["SCHEDULES", "build_program", "from_text", "schedule_name"]
-
-SCHEDULES: dict[str, Schedule] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-    "zb-v": zb_v,
-    "graph-gpipe": graph_gpipe,
-    "graph-1f1b": graph_1f1b,
-}
-"""Schedules by name, as ``Pipeline(schedule=...)`` and the CLI accept them."""
+__all__ = ["build_program", "from_text", "schedule_name"]
 
 
 def schedule_name(schedule: str | Schedule) -> str:
@@ -42,9 +27,9 @@ def schedule_name(schedule: str | Schedule) -> str:
             f"schedule must be a name, a schedule file or a function (graph, num_microbatches) "
             f"-> Program, got {type(schedule).__name__} {schedule!r}"
         )
-    known = [name for name, function in SCHEDULES.items() if function is schedule]
-    if known:
-        return known[0]
+    spec = spec_of(schedule)
+    if spec.name:
+        return spec.name
     return f"{schedule.__module__}.{getattr(schedule, '__qualname__', type(schedule).__name__)}"
 
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from conveyor.graph import StageGraph
-from conveyor.program import Action, Kind, Program, add_communication
-from conveyor.schedule.layout import schedules_for
+from conveyor.program import Action, Kind, Program, ScheduleMismatch, add_communication
 
 __all__ = ["forward_only", "gpipe", "one_f_one_b"]
 
@@ -60,9 +59,7 @@ def forward_only(graph: StageGraph, num_microbatches: int) -> Program:
 def _only_stage(graph: StageGraph, rank: int, schedule: str) -> int:
     stages = graph.stages_on(rank)
     if len(stages) != 1:
-        raise ValueError(
-            f"schedule {schedule!r} runs one stage per rank, but rank {rank} holds "
-            f"stages {stages}; use one of {schedules_for(graph)}, which run this graph as it "
-            "is placed"
+        raise ScheduleMismatch(
+            f"schedule {schedule!r} runs one stage per rank, but rank {rank} holds stages {stages}"
         )
     return stages[0]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from conveyor.graph import StageGraph
-from conveyor.program import Action, Kind, Program, add_communication
-from conveyor.schedule.layout import schedules_for
+from conveyor.program import Action, Kind, Program, ScheduleMismatch, add_communication
 
 __all__ = ["interleaved_1f1b", "loop_chunks", "require_chain", "rounds"]
 
@@ -81,8 +80,7 @@ def loop_chunks(graph: StageGraph, schedule: str) -> list[list[int]]:
 def require_chain(graph: StageGraph, schedule: str) -> None:
     broken = graph.chain_break()
     if broken is not None:
-        raise ValueError(
+        raise ScheduleMismatch(
             f"schedule {schedule!r} runs chains (stage i feeds only stage i + 1), but {broken} "
-            f"(a skip connection or a branch); use one of {schedules_for(graph)}, which run "
-            "this graph as it is placed"
+            "(a skip connection or a branch)"
         )

@@ -6,40 +6,11 @@ stage_placement("1f1b", 2, num_stages=2)      # [0, 1]
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from conveyor.graph import PlacementStyle, place
+from conveyor.program import Schedule
+from conveyor.schedule.registry import ScheduleSpec, spec_of
 
-from conveyor.graph import PlacementStyle, StageGraph, place
-from conveyor.program import Program
-
-__all__ = ["LAYOUTS", "Layout", "Schedule", "layout_of", "schedules_for", "stage_placement"]
-
-Schedule = Callable[[StageGraph, int], Program]
-"""A schedule: (stage graph, number of micro-batches) -> Program."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a schedule wants stages laid out: its default stages per rank and placement."""
-
-    virtual_stages: int = 1
-    """Stages per rank when the split does not say (balance or split points do)."""
-    placement: PlacementStyle = "loop"
-    """'loop': stage s on rank s mod p; 'v': down the ranks and back (see graph.place)."""
-    exact: bool = False
-    """Whether the schedule runs ``virtual_stages`` per rank only (ZB-V's V of two)."""
-
-
-LAYOUTS: dict[str, Layout] = {
-    "interleaved-1f1b": Layout(virtual_stages=2, placement="loop"),
-    "zb-v": Layout(virtual_stages=2, placement="v", exact=True),
-}
-"""Layouts of the schedules that need more than one stage per rank; others use Layout()."""
-
-
-def layout_of(schedule: str | Schedule) -> Layout:
-    """The layout a named schedule wants; ``Layout()`` for others, files and callables."""
-    return LAYOUTS.get(schedule, Layout()) if isinstance(schedule, str) else Layout()
+__all__ = ["stage_placement"]
 
 
 def stage_placement(
@@ -61,7 +32,7 @@ def stage_placement(
         ValueError: ``virtual_stages`` and ``num_stages`` disagree, a count is below 1, or
             the stage count does not fit a schedule of several stages per rank.
     """
-    wanted = layout_of(schedule)
+    wanted = spec_of(schedule)
     per_rank = virtual_stages or wanted.virtual_stages
     if num_ranks < 1 or per_rank < 1:
         raise ValueError(f"ranks and stages per rank must be >= 1, got {num_ranks} and {per_rank}")
@@ -82,14 +53,14 @@ def stage_placement(
 
 def _check_stage_count(
     schedule: str | Schedule,
-    wanted: Layout,
+    wanted: ScheduleSpec,
     num_stages: int,
     num_ranks: int,
     virtual_stages: int | None,
 ) -> None:
     """Refuse a stage count (the split's, or ``virtual_stages`` per rank) that a schedule of
     several stages per rank cannot place."""
-    if schedule not in LAYOUTS:
+    if wanted.runs != "chain":
         return
     needed = wanted.virtual_stages * num_ranks
     if wanted.exact and num_stages != needed:
@@ -107,19 +78,3 @@ def _check_stage_count(
         f"schedule {schedule!r} needs {wants}, but the split makes {num_stages}; give a "
         f"balance of {needed} entries (or {needed - 1} split points)"
     )
-
-
-def schedules_for(graph: StageGraph) -> str:
-    """The built-in schedules that run ``graph`` as it is placed, for error messages:
-    'gpipe' and the graph schedules run any graph; 1F1B and ZB-H1 one stage per rank;
-    interleaved 1F1B and ZB-V chains placed in a loop and in a V."""
-    names = ["gpipe", "graph-1f1b", "graph-gpipe"]
-    placement = [graph.rank_of(s) for s in range(graph.num_stages)]
-    if all(len(graph.stages_on(r)) == 1 for r in range(graph.num_ranks)):
-        names += ["1f1b", "zb-h1"]
-    elif graph.chain_break() is None:
-        for schedule, layout in LAYOUTS.items():
-            wanted = place(graph.num_stages, graph.num_ranks, layout.placement)
-            if graph.num_stages % graph.num_ranks == 0 and placement == wanted:
-                names.append(schedule)
-    return ", ".join(repr(name) for name in names)

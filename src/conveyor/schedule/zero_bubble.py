@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from conveyor.graph import StageGraph
-from conveyor.program import Action, Kind, Program, add_communication
+from conveyor.program import Action, Kind, Program, ScheduleMismatch, add_communication
 from conveyor.schedule.interleaved import require_chain
-from conveyor.schedule.layout import schedules_for
 
 __all__ = ["v_chunks", "zb_h1", "zb_v"]
 
@@ -31,10 +30,8 @@ def zb_h1(graph: StageGraph, num_microbatches: int) -> Program:
     for rank in range(graph.num_ranks):
         stages = graph.stages_on(rank)
         if len(stages) != 1:
-            raise ValueError(
-                f"schedule 'zb-h1' runs one stage per rank, but rank {rank} holds "
-                f"stages {stages}; use one of {schedules_for(graph)}, which run this graph "
-                "as it is placed"
+            raise ScheduleMismatch(
+                f"schedule 'zb-h1' runs one stage per rank, but rank {rank} holds stages {stages}"
             )
         stage = stages[0]
         below = graph.distance_to_sink(stage)
