@@ -12,7 +12,7 @@ in flight (the naive pipeline) and with 2 groups, all in the same processes, alt
 generation at a time (the unsplit ones on rank 0 while rank 1 waits). Time to first token and
 decode throughput come from the same run (``DecodePipeline.stats``); medians of the repeats.
 Predicted: each stage profiled on both ranks at once
-(``conveyor.inference.cost.profile_stage``), the link and the runtime's per-message costs
+(``conveyor.planner.decode_cost.profile_stage``), the link and the runtime's per-message costs
 measured between the two ranks
 (``conveyor.planner.calibrate``), and the decode Program simulated.
 """
@@ -40,14 +40,14 @@ from report import DOC, write_section
 
 from conveyor.graph import chain
 from conveyor.inference import DecodePipeline, decode_program
-from conveyor.inference.cost import DecodeCost, StageFit, profile_stage
 from conveyor.inference.models import as_causal_lm
-from conveyor.inference.parallelism import STRATEGIES, Estimate, LayerCosts, compare
 from conveyor.inference.pipeline import GenerationStats
 from conveyor.inference.prompts import groups_of
 from conveyor.inference.schedule import decode_items
 from conveyor.models import gpt
 from conveyor.planner.calibrate import measure_link, measure_overheads
+from conveyor.planner.decode_cost import DecodeCost, StageFit, profile_stage
+from conveyor.planner.parallelism import STRATEGIES, Estimate, LayerCosts, compare
 from conveyor.planner.profile import Link, Overheads
 from conveyor.simulator import simulate
 
@@ -384,7 +384,7 @@ def render_paper(
         "",
         f"One request on 2-64 devices, {PAPER_LAYERS} blocks of width {costs.hidden_size} "
         f"({costs.num_heads} heads, float32, vocabulary 32000): each strategy's prefill and "
-        "decode run as a decode Program through the simulator (conveyor.inference.parallelism; "
+        "decode run as a decode Program through the simulator (conveyor.planner.parallelism; "
         "its docstring states the model of each strategy). Per-layer costs measured here on one "
         f"thread and fitted (block, per sequence: decode {block.decode.fixed * 1e3:.2f} ms + "
         f"{block.decode.per_pair * 1e9:.2f} ns per cached position; prefill "

@@ -9,8 +9,8 @@ import pytest
 
 from conveyor.graph import chain
 from conveyor.inference import decode_items, decode_program
-from conveyor.inference.cost import DecodeCost, Fit, StageFit, pairs
-from conveyor.inference.parallelism import LayerCosts, compare
+from conveyor.planner.decode_cost import DecodeCost, Fit, StageFit, pairs
+from conveyor.planner.parallelism import LayerCosts, compare
 from conveyor.planner.profile import Link, Overheads
 from conveyor.program import Action, Kind, Program
 from conveyor.schedule import ProgramError, validate

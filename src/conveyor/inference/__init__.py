@@ -8,9 +8,9 @@ flight, decode schedules as Programs.
 Modules: ``lm`` (a model as units with KV caches), ``gpt`` and ``hf`` (adapters: conveyor's
 GPT, Hugging Face Llama and GPT-2), ``models`` (which adapter), ``cache`` (static KV caches),
 ``sampling``, ``prompts``, ``config`` (GenerationConfig), ``schedule`` (decode Programs),
-``runtime`` (their interpreter), ``pipeline`` (DecodePipeline, generate), ``cost`` (decode
-costs for the simulator) and ``parallelism`` (pipeline vs tensor vs context parallel
-inference, on paper).
+``runtime`` (their interpreter) and ``pipeline`` (DecodePipeline, generate). Costing decode
+for the simulator, and comparing parallelisms for one long request, is planning
+(conveyor.planner.decode_cost, conveyor.planner.parallelism).
 """
 
 from conveyor.inference.config import GenerationConfig
