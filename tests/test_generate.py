@@ -4,6 +4,7 @@ and 4 ranks; errors before any message (conveyor.inference.pipeline and its adap
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -400,3 +401,52 @@ def _four_ranks(rank: int, world_size: int) -> None:
 @pytest.mark.dist
 def test_four_ranks_generate_what_one_process_generates(tmp_path: Path) -> None:
     run_ranks(_four_ranks, tmp_path, world_size=4)
+
+
+def test_an_empty_prompt_is_refused_saying_what_was_given() -> None:
+    model = small_gpt(layers=2)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(2, 0\): every prompt is empty"):
+        generate(model, torch.zeros((2, 0), dtype=torch.long))  # no mask given
+    ids = torch.randint(1, VOCAB, (2, 4))
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"attention_mask rows \[1\] are all zeros: those"):
+        generate(model, ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"prompts \[1\] of the list are empty \(length 0\)"):
+        generate(model, [ids[0], ids[0, :0]])
+    padding = ids.clone()
+    padding[0] = 0  # the pad token marks padding without a mask: this row has no token
+    with pytest.raises(ValueError, match=r"input_ids rows \[0\] hold only the pad token 0"):
+        generate(model, padding, pad_token_id=0)
+
+
+def _other_settings(rank: int, world_size: int) -> None:
+    """Settings that differ between ranks: named on every rank with each rank's value; the
+    ranks stay in step."""
+    decoder = DecodePipeline(small_gpt(layers=2))
+    ids, other = torch.randint(1, VOCAB, (2, 5)), 1 - rank
+    cases = [  # what each rank passes, and what each is told
+        ({"max_new_tokens": 4 + 4 * rank}, {"max_new_tokens": (4 + 4 * other, 4 + 4 * rank)}),
+        (
+            {"do_sample": rank == 1, "seed": rank},
+            {"do_sample": (other == 1, rank == 1), "seed": (other, rank)},
+        ),
+        (
+            {"eos_token_id": rank + 3, "num_groups": 1 + rank},
+            {"eos_token_id": ((other + 3,), (rank + 3,)), "num_groups": (1 + other, 1 + rank)},
+        ),
+    ]
+    for options, told in cases:
+        named = [
+            f"rank {other} passed {k}={v!r}, rank {rank} passed {w!r}" for k, (v, w) in told.items()
+        ]
+        with pytest.raises(BatchMismatchError, match=re.escape(named[0])) as refused:
+            decoder.generate(ids, **{"max_new_tokens": 2, **options})
+        assert f"rank {rank}: ranks were given other settings for generation" in str(refused.value)
+        assert all(n in str(refused.value) for n in named), (str(refused.value), named)
+    assert decoder.generate(ids, max_new_tokens=2) is not None  # still in step
+
+
+@pytest.mark.dist
+def test_settings_that_differ_between_ranks_are_named(tmp_path: Path) -> None:
+    run_ranks(_other_settings, tmp_path, world_size=2)

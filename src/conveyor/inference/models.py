@@ -15,10 +15,12 @@ __all__ = ["as_causal_lm"]
 
 def as_causal_lm(model: Any) -> CausalLM:
     """``model`` as a CausalLM: a CausalLM itself, conveyor's GPT (``conveyor.models.gpt``'s
-    Sequential), or a Hugging Face causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
+    Sequential), or a Hugging Face causal LM of a family ``conveyor.inference.hf.ADAPTERS``
+    names (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``, ...).
 
     Raises:
-        TypeError: ``model`` is none of these, or has no causal LM head.
+        TypeError: ``model`` is none of these, has no causal LM head, or is of a Hugging Face
+            family without an adapter.
     """
     if isinstance(model, CausalLM):
         return model
@@ -29,6 +31,7 @@ def as_causal_lm(model: Any) -> CausalLM:
     raise TypeError(
         f"cannot generate with a {type(model).__name__}: it has no causal LM head conveyor "
         "knows; expected conveyor.models.gpt (an nn.Sequential of Embedding, Blocks, Head), a "
-        "Hugging Face causal LM (LlamaForCausalLM, GPT2LMHeadModel) or a "
+        "Hugging Face causal LM of a family in conveyor.inference.hf.ADAPTERS "
+        "(LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...) or a "
         "conveyor.inference.lm.CausalLM"
     )

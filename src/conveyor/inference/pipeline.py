@@ -12,6 +12,7 @@ Program (conveyor.inference.schedule), validated, simulated and traced like trai
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -416,7 +417,7 @@ class DecodePipeline:
             int(ids.shape[0]),
             "" if problem is None else f"rank {self.rank}: {problem}",
         )
-        agree(self._runtime.p2p, mine, f"generation {self.num_generations}")
+        agree(self._runtime.p2p, mine, f"generation {self.num_generations}", _named(config))
 
     @contextlib.contextmanager
     def _refused_as(self, problem: Exception | None) -> Iterator[None]:
@@ -551,6 +552,14 @@ _Read = tuple[torch.Tensor, torch.Tensor, GenerationConfig]
 
 _NOTHING = (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool), None)
 """What a rank whose prompts could not be read puts in its fingerprint."""
+
+
+def _named(config: GenerationConfig | None) -> dict[str, str]:
+    """Each setting of ``config`` by name, as a rank's error shows it to the others (none for
+    a rank that could not read its own)."""
+    if config is None:
+        return {}
+    return {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
 def _stacked(tokens: dict[int, list[torch.Tensor]]) -> torch.Tensor:

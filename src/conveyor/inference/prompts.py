@@ -37,12 +37,17 @@ def prepare_prompts(
                 "pass attention_mask with a (batch, length) tensor of prompts only; a list of "
                 "prompts is padded here, which makes its mask"
             )
-        if not prompts or any(
-            not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0 for p in prompts
-        ):
+        if not prompts or any(not isinstance(p, torch.Tensor) or p.dim() != 1 for p in prompts):
             raise ValueError(
                 "prompts must be a non-empty list of non-empty 1-D tensors of token ids, or a "
                 "(batch, length) tensor"
+            )
+        empty = [row for row, p in enumerate(prompts) if p.numel() == 0]
+        if empty:
+            raise ValueError(
+                f"prompts {empty[:5]} of the list are empty (length 0); every prompt needs at "
+                "least one token: drop them, or start each with a token (e.g. the "
+                "tokenizer's BOS token)"
             )
         for p in prompts:
             _check_ids_dtype(p)
@@ -73,12 +78,25 @@ def inferred_mask(
 ) -> torch.Tensor | None:
     """The attention mask of a (batch, length) tensor of prompts given without one, read from
     its pad tokens as Hugging Face's generate reads it: only for a known pad token that is no
-    stop token and that the prompts hold; None where every token counts as real."""
+    stop token and that the prompts hold; None where every token counts as real.
+
+    Raises:
+        ValueError: a prompt is all pad tokens (it would have no token).
+    """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or pad_token_id is None:
         return None
     if pad_token_id in stop_tokens or not bool((ids == pad_token_id).any()):
         return None
-    return ids != pad_token_id
+    mask = ids != pad_token_id
+    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"input_ids rows {empty[:5]} hold only the pad token {pad_token_id}, which marks "
+            "padding when no attention_mask is given (as Hugging Face's generate reads it), "
+            "so those prompts have no token; pass an attention_mask with a 1 at each of their "
+            "tokens, or drop those rows"
+        )
+    return mask
 
 
 def _check_ids_dtype(ids: torch.Tensor) -> None:
@@ -95,8 +113,19 @@ def _check_mask(ids: torch.Tensor, mask: torch.Tensor) -> None:
             f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(ids.shape)}; "
             "give one entry per token (1: a token, 0: left padding)"
         )
-    if ids.shape[1] == 0 or not bool(mask.any(dim=1).all()):
-        raise ValueError("every prompt needs at least one token (a row of ones in attention_mask)")
+    if ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids has shape {tuple(ids.shape)}: every prompt is empty (length 0); every "
+            "prompt needs at least one token: pass (batch, length) ids with length >= 1 (e.g. "
+            "the tokenizer's BOS token)"
+        )
+    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"attention_mask rows {empty[:5]} are all zeros: those prompts are only padding, "
+            "without a token; every prompt needs at least one token (a 1 in its row of "
+            "attention_mask, after its left padding): drop those rows or mark their tokens"
+        )
     right_padded = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)
     if bool(right_padded.any()):
         rows = right_padded.nonzero().flatten().tolist()

@@ -14,6 +14,7 @@ gloo answers by aborting the process. See Note [batch fingerprint].
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,9 @@ __all__ = [
     "autocast_state",
     "digest",
     "exchange",
+    "exchange_settings",
     "fingerprint",
+    "settings_difference",
 ]
 
 
@@ -142,31 +145,95 @@ def fingerprint(
     )
 
 
-def agree(p2p: P2P, mine: Fingerprint, describe: str) -> tuple[int, ...]:
+def agree(
+    p2p: P2P, mine: Fingerprint, describe: str, settings: Mapping[str, str] | None = None
+) -> tuple[int, ...]:
     """Exchange fingerprints with every other rank of ``p2p``'s group; raise if any differs.
     Returns every rank's ``trainable`` digest, by rank: the same on every rank.
+
+    ``settings`` are the named values this rank was given besides the batch (generate's
+    ``max_new_tokens``, ``seed``, ...; already in ``mine.layout``): when the fingerprints
+    differ, every rank sends them too, so that the error names each setting that differs and
+    every rank's value. Every rank passes settings, or none does.
 
     Collective: every rank calls it with its own fingerprint before the step's first message.
 
     Raises:
-        BatchMismatchError: another rank's batch or mode differs from this rank's.
+        BatchMismatchError: another rank's batch, settings or mode differs from this rank's.
         CannotRunError: a rank cannot run (its ``problem``, or on the others, its name).
         PeerLostError: a peer did not answer within the timeout.
     """
     received = exchange(p2p, mine.tensor(), f"the batch fingerprint of {describe}")
     theirs = {peer: Fingerprint.of_tensor(message) for peer, message in received.items()}
+    # every rank refuses, or none does (if two fingerprints differ, each rank's differs from
+    # one of them), so every rank takes part in the exchange of settings, or none does
+    refusal = _refusal(p2p.rank, mine, theirs, describe)
+    if refusal is not None and settings is not None:
+        others = exchange_settings(p2p, settings, f"the settings of {describe}")
+        if isinstance(refusal, BatchMismatchError):
+            named = settings_difference(p2p.rank, settings, others, describe)
+            refusal = refusal if named is None else BatchMismatchError(named)
+    if refusal is not None:
+        raise refusal
+    theirs[p2p.rank] = mine
+    return tuple(theirs[rank].trainable for rank in sorted(theirs))
+
+
+def _refusal(
+    rank: int, mine: Fingerprint, theirs: Mapping[int, Fingerprint], describe: str
+) -> StepRefused | None:
+    """Why this rank must not run the step, given every peer's fingerprint; None if all agree."""
     if mine.problem:
-        raise CannotRunError(mine.problem)
+        return CannotRunError(mine.problem)
     for peer, other in theirs.items():
         if other.not_ready:
-            raise CannotRunError(
-                f"rank {p2p.rank}: rank {peer} cannot run {describe} (its own error says "
+            return CannotRunError(
+                f"rank {rank}: rank {peer} cannot run {describe} (its own error says "
                 "why); every rank stops before any activation moves"
             )
         if other != mine:
-            raise BatchMismatchError(_difference(p2p.rank, peer, mine, other, describe))
-    theirs[p2p.rank] = mine
-    return tuple(theirs[rank].trainable for rank in sorted(theirs))
+            return BatchMismatchError(_difference(rank, peer, mine, other, describe))
+    return None
+
+
+def exchange_settings(
+    p2p: P2P, settings: Mapping[str, str], what: str
+) -> dict[int, dict[str, str]]:
+    """Every other rank's ``settings`` (names to the repr of their values), by rank: they
+    travel in the messages' headers, whatever their lengths.
+
+    Collective: every rank calls it.
+    """
+    mine = dict(settings)
+    peers = [r for r in range(dist.get_world_size(p2p.group)) if r != p2p.rank]
+    for peer in peers:
+        p2p.send(mine, peer, what, header=Meta.of(mine))
+    posted = [(peer, p2p.post(peer, None, what)) for peer in peers]
+    theirs = {peer: dict(p2p.wait(receive)) for peer, receive in posted}
+    p2p.wait_sends()
+    return theirs
+
+
+def settings_difference(
+    rank: int, mine: Mapping[str, str], theirs: Mapping[int, Mapping[str, str]], what: str
+) -> str | None:
+    """The settings in which other ranks differ from this one, each rank's value named
+    ('rank 1 passed max_new_tokens=8, rank 0 passed 4'); None if they are the same (a rank
+    that passed none, having failed to read its own, is left out)."""
+    found = [
+        f"rank {peer} passed {name}={value}, rank {rank} passed {mine.get(name)}"
+        for peer, other in sorted(theirs.items())
+        if other
+        for name, value in other.items()
+        if mine.get(name) != value
+    ]
+    if not found or not mine:
+        return None
+    return (
+        f"rank {rank}: ranks were given other settings for {what}: {'; '.join(found)}. Every "
+        "rank of a pipeline runs the same generation: pass the same settings (and prompts) "
+        "on every rank"
+    )
 
 
 def exchange(p2p: P2P, message: torch.Tensor, what: str) -> dict[int, torch.Tensor]:
