@@ -28,6 +28,7 @@ from torch.fx._symbolic_trace import _assert_is_none as assert_is_none
 __all__ = [
     "GradBucket",
     "assert_is_none",
+    "attention_with_lse",
     "backend_options",
     "close_gloo_group",
     "default_store",
@@ -200,3 +201,24 @@ def backend_options(backend: str, timeout: timedelta) -> Any:
     made = options()
     made._timeout = timeout
     return made
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + bias) v and the log-sum-exp of the biased scores per query,
+    which context parallelism needs to merge attention over shards of the keys.
+
+    On CPU, aten's flash-attention kernel returns both in one pass and never holds the whole
+    score matrix (no public API returns the log-sum-exp); elsewhere the same result is
+    computed from the scores. Same values either way, to rounding.
+    """
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias, scale=scale
+        )
+        return out, lse
+    scores = (q @ k.transpose(-2, -1)) * scale + bias
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    weights = torch.exp(scores.float() - lse[..., None]).to(q.dtype)
+    return weights @ v, lse
