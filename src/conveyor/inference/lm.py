@@ -19,7 +19,34 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CausalLM", "Context"]
+__all__ = ["CausalLM", "Context", "CpPlace"]
+
+
+@dataclass(frozen=True)
+class CpPlace:
+    """Where a context-parallel rank's tokens of one item sit (conveyor.inference.context)."""
+
+    rank: int
+    """This rank's index in its cp group."""
+    shards: tuple[tuple[range, ...], ...]
+    """Each cp rank's prompt positions (conveyor.parallel.context_parallel.zigzag)."""
+    decoding: bool
+    """A new token (every rank runs it alike) rather than the prompt (each rank its chunks)."""
+    start: int
+    """The cache position of the item's first token."""
+
+    @property
+    def owner_of_last(self) -> int:
+        """The cp rank that holds the prompt's last position."""
+        last = max(r.stop for ranges in self.shards for r in ranges) - 1
+        return next(i for i, ranges in enumerate(self.shards) if any(last in r for r in ranges))
+
+    @property
+    def mine(self) -> list[int]:
+        """The cache positions of this rank's tokens of the item, in order."""
+        if self.decoding:
+            return [self.start]
+        return [p for r in self.shards[self.rank] for p in r]
 
 
 @dataclass(frozen=True)
@@ -32,6 +59,9 @@ class Context:
     """(rows, start + length) bool, True at real tokens: left padding is False."""
     start: int
     """Tokens before this item's (cache indices start, start + 1, ...)."""
+    cp: CpPlace | None = None
+    """Under context parallelism, where this rank's tokens of the item sit; ``positions``
+    then holds those tokens only."""
 
     @property
     def length(self) -> int:

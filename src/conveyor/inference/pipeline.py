@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from conveyor.graph import StageGraph, chain
 from conveyor.inference.cache import format_bytes
 from conveyor.inference.config import GenerationConfig, model_defaults
+from conveyor.inference.context import check_supported, context_parallel_lm
 from conveyor.inference.gpt import GptLM, is_gpt
 from conveyor.inference.lm import CausalLM
 from conveyor.inference.models import as_causal_lm
@@ -39,6 +42,7 @@ from conveyor.inference.prompts import (
 )
 from conveyor.inference.runtime import Batch, DecodeRuntime
 from conveyor.inference.schedule import decode_items, decode_program
+from conveyor.parallel.context_parallel import cp_groups
 from conveyor.program import Program
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.fingerprint import CannotRunError, agree, fingerprint
@@ -63,6 +67,9 @@ class GenerationStats:
     new_tokens: int
     """New tokens per sequence (fewer than max_new_tokens if every sequence stopped), as the
     last stage's rank and the ranks that get the tokens count them; max_new_tokens on others."""
+    cache_bytes: int = 0
+    """Bytes of keys and values this rank's caches held at the end (with context
+    parallelism, its shards: about 1/cp of its stages' whole cache)."""
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -92,6 +99,8 @@ class DecodePipeline:
         timeout_s: float = 60.0,
         trace: bool = False,
         local: bool = False,
+        cp: int = 1,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         """
         Args:
@@ -103,8 +112,16 @@ class DecodePipeline:
             group: the pipeline's process group (default: the world).
             device: where this rank's stages run (default: where their parameters are).
             local: run every stage in this process, without torch.distributed.
+            cp: ranks per context-parallel group: each pipeline stage is served by ``cp``
+                ranks that split every sequence's KV cache along its length (consecutive
+                ranks; the world is stages x cp). See conveyor.inference.context.
+            mesh: a DeviceMesh with dimensions ('pp', 'cp') (or ('cp',)), instead of ``cp``.
         """
         self.lm = as_causal_lm(model)
+        self.cp_group: dist.ProcessGroup | None = None
+        """The ranks that serve this rank's stages with it (None without cp)."""
+        if cp != 1 or mesh is not None:
+            group = self._context_parallel(cp, mesh, group, local, timeout_s)
         self.group = group
         self.rank, self.num_ranks = (0, 1) if local else _group_size(group)
         num_stages = len(balance or placement or range(self.num_ranks))
@@ -133,6 +150,7 @@ class DecodePipeline:
             else P2P(group, self.device, timedelta(seconds=timeout_s))
         )
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
+        self._check_link()
         self._programs: dict[tuple[int, int, int, int | None], Program] = {}
         self.num_generations = 0
         self.stats: GenerationStats | None = None
@@ -144,6 +162,54 @@ class DecodePipeline:
             self.recorder = self._runtime.recorder = Recorder(self.rank)
             if p2p is not None:
                 p2p.recorder = self.recorder
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks per context-parallel group (1 without cp)."""
+        return 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.cp_group is None else dist.get_rank(self.cp_group)
+
+    def _context_parallel(
+        self,
+        cp: int,
+        mesh: DeviceMesh | None,
+        group: dist.ProcessGroup | None,
+        local: bool,
+        timeout_s: float,
+    ) -> dist.ProcessGroup:
+        """Lay the world out as pipelines of cp groups; returns this rank's pipeline group.
+        Everything that can be refused is refused before the groups are made."""
+        if local or group is not None:
+            raise ValueError(
+                "cp= and mesh= lay the ranks out themselves; pass neither group= nor local=True "
+                "with them"
+            )
+        if cp < 1:
+            raise ValueError(f"cp must be >= 1, got {cp}")
+        check_supported(self.lm)
+        _group_size(None)  # torch.distributed must be initialized
+        pipeline, self.cp_group = cp_groups(cp, timedelta(seconds=timeout_s), mesh)
+        self.lm = context_parallel_lm(self.lm, self.cp_group)
+        return pipeline
+
+    def _check_link(self) -> None:
+        """Warn when a cp group spans machines: every layer of every token waits for it."""
+        if self.cp_group is None:
+            return
+        hosts: list[Any] = [None] * self.cp_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.cp_group)
+        if len(set(hosts)) > 1:
+            logger.warning(
+                "the cp group of rank %d spans hosts %s: context parallelism exchanges every "
+                "layer's attention for every token within the group, so a slow link between "
+                "machines bounds its speed; put a cp group's ranks on one machine (consecutive "
+                "ranks) and the pipeline across machines",
+                dist.get_rank(),
+                sorted(set(hosts)),
+            )
 
     @classmethod
     def from_split(
@@ -247,6 +313,7 @@ class DecodePipeline:
             None if first is None else first - start,
             int(ids.shape[0]),
             length,
+            self._runtime.held_bytes,
         )
         return None if new is None else torch.cat([ids.to(new.device), new[:, :length]], 1)
 
@@ -303,10 +370,27 @@ class DecodePipeline:
                 f"{context}; generate at most {context - length} new tokens or shorten the prompts"
             )
         self._check_tokens(ids, config)
+        if self.cp_group is not None:
+            self._check_context_parallel(config)
         if config.dst is not None and config.dst >= self.num_ranks:
             raise ValueError(f"dst={config.dst} is not a rank of the {self.num_ranks}-rank group")
         if config.memory_budget is not None:
             self._check_budget(ids.shape[0], length + config.max_new_tokens, config.memory_budget)
+
+    def _check_context_parallel(self, config: GenerationConfig) -> None:
+        """What context parallelism does not take: a prompt in chunks (it splits the prompt
+        along its length over the cp ranks instead), a cache other than its own shards."""
+        if config.prefill_chunk is not None:
+            raise ValueError(
+                f"prefill_chunk={config.prefill_chunk} with cp={self.cp_size}: context "
+                "parallelism already splits each prompt along its length over the cp ranks; "
+                "leave prefill_chunk out"
+            )
+        if config.cache not in (None, "static"):
+            raise ValueError(
+                f"cache={config.cache!r} with cp={self.cp_size}: context parallelism keeps "
+                "each rank's part of the cache in its own preallocated shards; leave cache out"
+            )
 
     def _check_tokens(self, ids: torch.Tensor, config: GenerationConfig) -> None:
         """Refuse ids the embedding has no row for: in the prompts (padding included), and the
@@ -350,6 +434,8 @@ class DecodePipeline:
             decode_items(num_groups, ids.shape[1], config.max_new_tokens, config.prefill_chunk),
             config,
             config.cache or self.lm.default_cache,
+            self.cp_rank,
+            self.cp_size,
         )
 
     def _share(
@@ -418,6 +504,28 @@ class DecodePipeline:
             "" if problem is None else f"rank {self.rank}: {problem}",
         )
         agree(self._runtime.p2p, mine, f"generation {self.num_generations}", _named(config))
+        if self.cp_group is not None:
+            self._agree_within_cp(mine.tensor())
+
+    def _agree_within_cp(self, mine: torch.Tensor) -> None:
+        """The ranks of a cp group must run the same prompts and settings too: their shards
+        are parts of one cache (each pipeline has agreed within itself already).
+
+        Raises:
+            ValueError: on every rank of the group, naming the ranks that differ.
+        """
+        group = self.cp_group
+        assert group is not None
+        gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
+        dist.all_gather(gathered, mine, group=group)
+        differ = [i for i, theirs in enumerate(gathered) if not torch.equal(theirs, gathered[0])]
+        if differ:
+            ranks = [dist.get_global_rank(group, i) for i in [0, *differ]]
+            raise ValueError(
+                f"the ranks {ranks} of one cp group were given other prompts or settings for "
+                f"generation {self.num_generations}; every rank passes the same prompts and "
+                "settings to generate"
+            )
 
     @contextlib.contextmanager
     def _refused_as(self, problem: Exception | None) -> Iterator[None]:

@@ -14,15 +14,17 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from conveyor.graph import StageGraph
 from conveyor.inference.config import GenerationConfig
-from conveyor.inference.lm import CausalLM, Context
+from conveyor.inference.lm import CausalLM, Context, CpPlace
 from conveyor.inference.sampling import Sampler
 from conveyor.inference.schedule import Item
+from conveyor.parallel.context_parallel import zigzag
 from conveyor.program import Action, Kind
 from conveyor.runtime.comm import P2P, Meta, Receive
 from conveyor.trace import Recorder
@@ -49,15 +51,41 @@ class Batch:
     items: tuple[Item, ...]
     config: GenerationConfig
     cache_kind: str
+    cp_rank: int = 0
+    """This rank's index in its context-parallel group (conveyor.inference.context)."""
+    cp_size: int = 1
+
+    @cached_property
+    def shards(self) -> tuple[tuple[range, ...], ...]:
+        """Each cp rank's prompt positions: zigzag chunks of the prompt."""
+        prompt = int(self.input_ids.shape[1])
+        return tuple(tuple(ranges) for ranges in zigzag(prompt, self.cp_size))
+
+    def place(self, k: int) -> CpPlace | None:
+        """Where this cp rank's tokens of item ``k`` sit (None without context parallelism):
+        a prompt's zigzag chunks, or a new token that every rank of the group runs."""
+        if self.cp_size == 1:
+            return None
+        item = self.items[k]
+        return CpPlace(self.cp_rank, self.shards, item.source is not None, item.start)
+
+    def columns(self, k: int) -> list[int]:
+        """The cache positions of the tokens of item ``k`` that this rank runs."""
+        place = self.place(k)
+        if place is not None:
+            return place.mine
+        item = self.items[k]
+        return list(range(item.start, item.start + item.length))
 
     def context(self, k: int) -> Context:
         item = self.items[k]
         rows = self.groups[item.group]
         end = item.start + item.length
         return Context(
-            self.positions[rows.start : rows.stop, item.start : end],
+            self.positions[rows.start : rows.stop, self.columns(k)],
             self.key_mask[rows.start : rows.stop, :end],
             item.start,
+            self.place(k),
         )
 
 
@@ -102,6 +130,8 @@ class DecodeRuntime:
         self.first_token: float | None = None
         """When the last run's every sequence had its first token (on the last stage's
         rank, else None), ``time.perf_counter()`` seconds."""
+        self.held_bytes = 0
+        """Bytes of keys and values the last run's caches held at its end."""
         self._handlers: dict[Kind, Callable[[Action], None]] = {
             Kind.F: self._forward,
             Kind.SEND_F: self._send,
@@ -129,6 +159,7 @@ class DecodeRuntime:
                 recorder.add(str(action), start, recorder.now(), memory=self.cache_bytes)
             if self.p2p is not None:
                 self.p2p.wait_sends()
+        self.held_bytes = self.cache_bytes
         state, self._state = self._state, _State({}, {})
         self.first_token = state.first_token
         return state.tokens
@@ -172,7 +203,7 @@ class DecodeRuntime:
         if s != self.graph.sink:
             if value is None:
                 rows = len(self._batch.groups[item.group])
-                shape = (rows, item.length, self.lm.hidden_size)
+                shape = (rows, len(self._batch.columns(k)), self.lm.hidden_size)
                 value = torch.zeros(shape, dtype=self.lm.dtype, device=self.device)
             self._state.outputs[(s, k)] = {"value": value, "done": message["done"]}
         elif item.samples:
@@ -195,9 +226,7 @@ class DecodeRuntime:
         from this rank's own stages or from a peer."""
         if s == 0 and item.source is None:
             rows = self._batch.groups[item.group]
-            ids = self._batch.input_ids[
-                rows.start : rows.stop, item.start : item.start + item.length
-            ]
+            ids = self._batch.input_ids[rows.start : rows.stop, self._batch.columns(k)]
             return {"value": ids, "done": torch.tensor(False, device=self.device)}
         if s == 0:
             assert item.source is not None
@@ -230,7 +259,7 @@ class DecodeRuntime:
         if u == self.graph.sink and s == 0:  # a fed-back token
             value = torch.empty(rows, dtype=torch.long, device="meta")
         else:
-            shape = (rows, item.length, self.lm.hidden_size)
+            shape = (rows, len(self._batch.columns(k)), self.lm.hidden_size)
             value = torch.empty(shape, dtype=self.lm.dtype, device="meta")
         meta = Meta.of({"value": value, "done": torch.empty((), dtype=torch.bool, device="meta")})
         self._state.receives[action] = self.p2p.post(self.graph.rank_of(u), meta, str(action))

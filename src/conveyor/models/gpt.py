@@ -55,6 +55,16 @@ class KeyValueCache(Protocol):
         ...
 
 
+class Attention(Protocol):
+    """A cache that computes the attention itself: context parallelism's, whose keys and
+    values are spread over ranks (conveyor.inference.context)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention of queries ``q`` given the new keys and values ``k``, ``v`` (batch,
+        heads, new positions, head dim); returns (batch, heads, new positions, head dim)."""
+        ...
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and an MLP, each residual."""
 
@@ -75,21 +85,31 @@ class Block(nn.Module):
         return self.attend(x, torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1))
 
     def attend(
-        self, x: torch.Tensor, blocked: torch.Tensor | None, cache: KeyValueCache | None = None
+        self,
+        x: torch.Tensor,
+        blocked: torch.Tensor | None,
+        cache: KeyValueCache | Attention | None = None,
     ) -> torch.Tensor:
         """The block on ``x``, no attention where ``blocked`` (broadcast to the scores) is
         true. With a ``cache``, ``x`` holds the newest positions only: their keys and values
         join the cache and they attend to every position in it (``blocked`` then has one
-        column per cached position)."""
+        column per cached position). A cache that attends itself (``Attention``) is given
+        the queries, keys and values, and ``blocked`` is not used."""
         batch, seq, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(dim, dim=-1)
         q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.extend(k, v)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        if blocked is not None:
-            scores = scores.masked_fill(blocked, float("-inf"))
-        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
+        attend = getattr(cache, "attend", None)
+        if attend is not None:
+            y = attend(q, k, v)
+        else:
+            extend = getattr(cache, "extend", None)
+            if extend is not None:
+                k, v = extend(k, v)
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            if blocked is not None:
+                scores = scores.masked_fill(blocked, float("-inf"))
+            y = scores.softmax(-1) @ v
+        y = y.transpose(1, 2).reshape(batch, seq, dim)
         x = x + self.dropout(self.proj(y))
         out: torch.Tensor = x + self.dropout(self.mlp(self.norm2(x)))
         return out

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from conveyor.torch_compat import attention_with_lse
 
@@ -25,6 +27,7 @@ __all__ = [
     "AttentionSpec",
     "KVShard",
     "Partial",
+    "cp_groups",
     "merge",
     "owner_of",
     "partial_attention",
@@ -106,6 +109,9 @@ def partial_attention(
     d) where ``allowed`` (rows, 1, queries, keys) is true. Grouped heads attend without copying
     keys: the query heads of one key head are stacked along the queries."""
     rows, heads, queries, dim = q.shape
+    if queries == 0 or k.shape[2] == 0:  # nothing to attend (kernels divide by these sizes)
+        lse = torch.full((rows, heads, queries), float("-inf"), device=q.device)
+        return Partial(q.new_zeros(q.shape), lse.to(torch.promote_types(q.dtype, torch.float32)))
     groups = spec.groups
     grouped = q.reshape(rows, spec.num_kv_heads, groups * queries, dim)
     mask = allowed.expand(rows, 1, queries, allowed.shape[-1]).repeat(1, 1, groups, 1)
@@ -115,9 +121,7 @@ def partial_attention(
     seen = mask.any(-1).expand_as(lse)
     lse = torch.where(seen, lse, torch.full_like(lse, float("-inf")))
     out = out.masked_fill(~seen[..., None], 0.0)
-    return Partial(
-        out.reshape(rows, heads, queries, dim), lse.reshape(rows, heads, queries)
-    )
+    return Partial(out.reshape(rows, heads, queries, dim), lse.reshape(rows, heads, queries))
 
 
 def merge(parts: Sequence[Partial]) -> Partial:
@@ -141,9 +145,7 @@ def _gather_merge(part: Partial, group: dist.ProcessGroup | None) -> torch.Tenso
     gathered = [torch.empty_like(packed) for _ in range(size)]
     dist.all_gather(gathered, packed, group=group)
     split = part.out.numel()
-    parts = [
-        Partial(g[:split].view_as(part.out), g[split:].view_as(part.lse)) for g in gathered
-    ]
+    parts = [Partial(g[:split].view_as(part.out), g[split:].view_as(part.lse)) for g in gathered]
     return merge(parts).out
 
 
@@ -253,7 +255,7 @@ def ring_attention(
         if pending is not None:
             block = pending()
     outs = [r.out for r in results if r is not None]
-    return torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape)
 
 
 def _chunks(tensor: torch.Tensor, ranges: Sequence[range]) -> list[torch.Tensor]:
@@ -309,3 +311,42 @@ class _Pending:
                 work.wait()
         return self.block
 
+
+def cp_groups(
+    num_cp: int, timeout: timedelta, mesh: DeviceMesh | None = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's pipeline group, its cp group) over the world: ``num_cp`` consecutive ranks
+    per cp group (one machine's ranks, whose link is fastest), the pipeline across them; or
+    the ``pp`` and ``cp`` dimensions of ``mesh``. Collective: every rank calls it.
+
+    Raises:
+        ValueError: the world is not a multiple of ``num_cp``, or ``mesh`` has no ``cp``
+            dimension.
+    """
+    if mesh is not None:
+        names = list(mesh.mesh_dim_names or ())
+        if "cp" not in names or not set(names) <= {"pp", "cp"}:
+            raise ValueError(
+                f"a decode mesh has dimensions ('pp', 'cp') or ('cp',), got {tuple(names)}; "
+                "build it with init_device_mesh(device, (pp, cp), mesh_dim_names=('pp', 'cp'))"
+            )
+        cp_group = mesh.get_group("cp")
+        pp_group = mesh.get_group("pp") if "pp" in names else dist.new_group([dist.get_rank()])
+        return pp_group, cp_group
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if num_cp < 1 or world % num_cp:
+        raise ValueError(
+            f"cp={num_cp} does not divide the {world} ranks; launch a multiple of cp ranks "
+            f"(pipeline stages x cp), e.g. `conveyor run -n {num_cp * max(1, world // num_cp)}`"
+        )
+    num_pp = world // num_cp
+    pp_index, cp_index = divmod(rank, num_cp)
+    pipelines = [
+        dist.new_group([p * num_cp + c for p in range(num_pp)], timeout=timeout)
+        for c in range(num_cp)
+    ]
+    groups = [
+        dist.new_group([p * num_cp + c for c in range(num_cp)], timeout=timeout)
+        for p in range(num_pp)
+    ]
+    return pipelines[cp_index], groups[pp_index]
