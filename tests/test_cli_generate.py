@@ -82,3 +82,18 @@ def test_a_checkpoint_is_found_in_its_run_directory_and_a_wrong_size_names_the_f
         load_model(GenerateJob(checkpoint=job.checkpoint, num_layers=2, seq_len=32))
     with pytest.raises(CheckpointError, match="is not a checkpoint, and it holds no step-N"):
         load_model(GenerateJob(checkpoint=str(tmp_path)))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+def test_generate_with_cp_prints_the_pipelines_tokens(capfd: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--prompt", "def ", "--max-new-tokens", "6", "--num-layers", "2"]
+    texts = []
+    for extra in ([], ["--cp", "2"]):
+        assert main([*argv, *extra]) == 0
+        err = capfd.readouterr().err
+        texts.append([line.split("] ", 1)[-1] for line in err.splitlines() if "'def ' ->" in line])
+    assert texts[0] and texts[0] == texts[1]
+    with pytest.raises(SystemExit):
+        main([*argv, "--ranks", "3", "--cp", "2"])
+    assert "--cp 2 does not divide --ranks 3" in capfd.readouterr().err

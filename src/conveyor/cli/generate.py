@@ -46,7 +46,10 @@ class GenerateJob:
     """What `conveyor generate` runs: which model, on how many ranks, after which prompts."""
 
     ranks: int = 2
-    """Processes (pipeline ranks) to start."""
+    """Processes to start: pipeline stages times cp."""
+    cp: int = 1
+    """Ranks per context-parallel group: each stage is served by cp ranks that split every
+    sequence's KV cache along its length (the stages are ranks / cp)."""
     model: str = "gpt"
     """'gpt' (conveyor's demo GPT) or the directory of a Hugging Face causal LM saved with
     save_pretrained (read from disk, never downloaded)."""
@@ -77,7 +80,7 @@ class GenerateJob:
     """Record the generation's timeline to DIR (timeline.png, trace.json)."""
 
     def __post_init__(self) -> None:
-        for name in ("ranks", "batch_size", "dim", "num_layers", "num_heads", "seq_len"):
+        for name in ("ranks", "cp", "batch_size", "dim", "num_layers", "num_heads", "seq_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -86,11 +89,17 @@ class GenerateJob:
                 f"--model {self.model!r} is neither 'gpt' nor a directory; pass the directory "
                 "a Hugging Face model was saved to (model.save_pretrained(DIR))"
             )
-        if self.balance is not None and len(self.balance) != self.ranks:
+        if self.ranks % self.cp:
             raise ValueError(
-                f"--balance gives {len(self.balance)} stages for --ranks {self.ranks}: "
-                f"conveyor generate runs one stage per rank; pass --ranks {len(self.balance)} "
-                f"or a balance of {self.ranks} entries"
+                f"--cp {self.cp} does not divide --ranks {self.ranks}: the ranks are pipeline "
+                f"stages times cp; pass --ranks {self.cp * max(1, self.ranks // self.cp)}"
+            )
+        stages = self.ranks // self.cp
+        if self.balance is not None and len(self.balance) != stages:
+            raise ValueError(
+                f"--balance gives {len(self.balance)} stages for --ranks {self.ranks} with "
+                f"--cp {self.cp}: conveyor generate runs one stage per {self.cp} rank(s); pass "
+                f"--ranks {len(self.balance) * self.cp} or a balance of {stages} entries"
             )
         for text in self.prompt_ids:
             tokens = text.split(",")
@@ -277,12 +286,13 @@ def run(job: GenerateJob, options: dict[str, Any]) -> torch.Tensor | None:
     last stage the timings."""
     model, tokenizer = load_model(job)
     prompts = _prompts(job, tokenizer)
-    decoder = DecodePipeline(model, balance=job.balance, trace=job.trace is not None)
+    decoder = DecodePipeline(model, balance=job.balance, trace=job.trace is not None, cp=job.cp)
     config = decoder.settings(**options)
     tokens = decoder.generate(prompts, config)
     assert tokens is not None and decoder.stats is not None
     width = max(p.numel() for p in prompts)
-    if decoder.rank == 0:
+    first_of_group = decoder.cp_rank == 0  # the ranks of a cp group hold the same tokens
+    if decoder.rank == 0 and first_of_group:
         for row, prompt in enumerate(prompts):
             logger.info(
                 "%r -> %r",
@@ -290,21 +300,22 @@ def run(job: GenerateJob, options: dict[str, Any]) -> torch.Tensor | None:
                 _text(job, tokenizer, tokens[row, width:]),
             )
     stats = decoder.stats
-    if stats.time_to_first_token is not None:
+    if stats.time_to_first_token is not None and first_of_group:
         throughput = stats.decode_tokens_per_s
         logger.info(
-            "%d sequences x %d new tokens on %d ranks (%d groups in flight) in %.3f s: time to "
-            "first token %.1f ms, decode %s tokens/s",
+            "%d sequences x %d new tokens on %d stages x cp %d (%d groups in flight) in %.3f "
+            "s: time to first token %.1f ms, decode %s tokens/s",
             stats.num_sequences,
             stats.new_tokens,
             decoder.num_ranks,
+            decoder.cp_size,
             decoder.num_groups(len(prompts), config),
             stats.seconds,
             stats.time_to_first_token * 1e3,
             "-" if throughput is None else f"{throughput:.1f}",
         )
     if job.trace is not None:
-        _write_trace(decoder, job.trace)
+        _write_trace(decoder, job.trace, first_of_group)
     return tokens
 
 
@@ -313,11 +324,11 @@ def _tuples(values: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
-def _write_trace(decoder: DecodePipeline, directory: str) -> None:
+def _write_trace(decoder: DecodePipeline, directory: str, writes: bool) -> None:
     from conveyor.trace import write_chrome, write_png
 
     timeline = decoder.timeline()
-    if decoder.rank == 0:
+    if decoder.rank == 0 and writes:
         Path(directory).mkdir(parents=True, exist_ok=True)
         png = write_png(Path(directory) / "timeline.png", timeline)
         chrome = write_chrome(Path(directory) / "trace.json", timeline)
