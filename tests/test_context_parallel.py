@@ -56,7 +56,7 @@ def test_merged_shards_equal_attention_over_all_keys(window: int | None) -> None
         torch.tensor([5, 6, 7, 8, 10, 11]),
     ):
         allowed = visible(query, keys, real[:, keys], window)
-        parts.append(partial_attention(q, k[:, :, keys], v[:, :, keys], allowed, spec))
+        parts.append(partial_attention(q, k[:, :, keys], v[:, :, keys], spec, allowed))
     expected = reference(q, k, v, real, spec)
     torch.testing.assert_close(merge(parts).out, expected, rtol=0, atol=1e-12)
 

@@ -204,10 +204,16 @@ def backend_options(backend: str, timeout: timedelta) -> Any:
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T * scale + bias) v and the log-sum-exp of the biased scores per query,
-    which context parallelism needs to merge attention over shards of the keys.
+    """softmax(q k^T * scale + bias) v and the log-sum-exp of the biased scores per query
+    (``causal``: query i sees keys 0..i), which context parallelism needs to merge attention
+    over shards of the keys.
 
     On CPU, aten's flash-attention kernel returns both in one pass and never holds the whole
     score matrix (no public API returns the log-sum-exp); elsewhere the same result is
@@ -215,10 +221,16 @@ def attention_with_lse(
     """
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=bias, scale=scale
+            q, k, v, is_causal=causal, attn_mask=bias, scale=scale
         )
         return out, lse
-    scores = (q @ k.transpose(-2, -1)) * scale + bias
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(
+            torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf")
+        )
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores.float(), dim=-1)
     weights = torch.exp(scores.float() - lse[..., None]).to(q.dtype)
     return weights @ v, lse

@@ -103,25 +103,70 @@ def visible(
 
 
 def partial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: AttentionSpec,
+    allowed: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> Partial:
     """Attention of ``q`` (rows, heads, queries, d) over ``k`` and ``v`` (rows, kv heads, keys,
-    d) where ``allowed`` (rows, 1, queries, keys) is true. Grouped heads attend without copying
-    keys: the query heads of one key head are stacked along the queries."""
-    rows, heads, queries, dim = q.shape
+    d): where ``allowed`` (rows, 1, queries, keys) is true, else over every key (``causal``:
+    query i over keys 0..i, for a block against itself). See Note [attention kernels]."""
+    rows, heads, queries, _ = q.shape
     if queries == 0 or k.shape[2] == 0:  # nothing to attend (kernels divide by these sizes)
         lse = torch.full((rows, heads, queries), float("-inf"), device=q.device)
         return Partial(q.new_zeros(q.shape), lse.to(torch.promote_types(q.dtype, torch.float32)))
-    groups = spec.groups
-    grouped = q.reshape(rows, spec.num_kv_heads, groups * queries, dim)
-    mask = allowed.expand(rows, 1, queries, allowed.shape[-1]).repeat(1, 1, groups, 1)
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(~mask, float("-inf"))
-    out, lse = attention_with_lse(grouped, k, v, bias, spec.scale)
-    seen = mask.any(-1).expand_as(lse)
+    if allowed is not None and queries * spec.groups <= _GROUPED_QUERIES:
+        return _grouped(q, k, v, allowed, spec)
+    k, v = (t.repeat_interleave(spec.groups, dim=1) for t in (k, v))
+    if allowed is None:
+        out, lse = attention_with_lse(q, k, v, None, spec.scale, causal)
+        return Partial(out, lse)
+    tiles = [
+        _masked(q[:, :, i : i + _TILE], k, v, allowed[:, :, i : i + _TILE], spec)
+        for i in range(0, queries, _TILE)
+    ]
+    return Partial(torch.cat([t.out for t in tiles], 2), torch.cat([t.lse for t in tiles], 2))
+
+
+# Note [attention kernels]:
+# Attention runs in a fused kernel that returns the log-sum-exp with the output and never
+# holds the score matrix (conveyor.torch_compat.attention_with_lse), so a 16k x 16k block of a
+# long prompt costs no more memory than its inputs. A block that every query sees whole (all
+# its keys earlier, no padding, no window) needs no mask, a block against itself a causal
+# one, and only the rest a boolean mask turned into a bias, computed a tile of queries at a
+# time. A new token (one query per head) attends without copying keys: the query heads that
+# share a key head are stacked along the queries.
+_TILE = 1024
+"""Queries per masked tile: the bias of a tile over a 64k-key block is 1024 x 64k values."""
+_GROUPED_QUERIES = 64
+"""Up to this many (query heads x queries) per key head, grouped heads share their keys."""
+
+
+def _grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec
+) -> Partial:
+    """Masked attention of a few queries, the query heads of one key head stacked."""
+    rows, heads, queries, dim = q.shape
+    grouped = q.reshape(rows, spec.num_kv_heads, spec.groups * queries, dim)
+    mask = allowed.expand(rows, 1, queries, allowed.shape[-1]).repeat(1, 1, spec.groups, 1)
+    part = _masked(grouped, k, v, mask, spec)
+    return Partial(
+        part.out.reshape(rows, heads, queries, dim), part.lse.reshape(rows, heads, queries)
+    )
+
+
+def _masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec
+) -> Partial:
+    """Attention where ``allowed``; a query that sees no key gets -inf and no output."""
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    out, lse = attention_with_lse(q, k, v, bias, spec.scale)
+    seen = allowed.any(-1).expand_as(lse)
     lse = torch.where(seen, lse, torch.full_like(lse, float("-inf")))
-    out = out.masked_fill(~seen[..., None], 0.0)
-    return Partial(out.reshape(rows, heads, queries, dim), lse.reshape(rows, heads, queries))
+    return Partial(out.masked_fill(~seen[..., None], 0.0), lse)
 
 
 def merge(parts: Sequence[Partial]) -> Partial:
@@ -213,7 +258,7 @@ def shard_attention(
         shard.append(k_new, v_new, index)
     keys, values, held = shard.held()
     allowed = visible(index, held, key_real[:, held], spec.window)
-    return _gather_merge(partial_attention(q, keys, values, allowed, spec), group)
+    return _gather_merge(partial_attention(q, keys, values, spec, allowed), group)
 
 
 def ring_attention(
@@ -241,21 +286,42 @@ def ring_attention(
         keys = _chunks(block, list(shards[source]))
         for i, (query_range, query) in enumerate(zip(mine, queries, strict=True)):
             for key_range, kv in zip(shards[source], keys, strict=True):
-                if _hidden(query_range, key_range, spec.window):
+                part = _pair(query, query_range, kv, key_range, key_real, spec)
+                if part is None:
                     continue
-                allowed = visible(
-                    _positions(query_range, q.device),
-                    _positions(key_range, q.device),
-                    key_real[:, key_range.start : key_range.stop],
-                    spec.window,
-                )
-                part = partial_attention(query, kv[0], kv[1], allowed, spec)
                 found = results[i]
                 results[i] = part if found is None else merge([found, part])
         if pending is not None:
             block = pending()
     outs = [r.out for r in results if r is not None]
     return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape)
+
+
+def _pair(
+    query: torch.Tensor,
+    queries: range,
+    kv: torch.Tensor,
+    keys: range,
+    key_real: torch.Tensor,
+    spec: AttentionSpec,
+) -> Partial | None:
+    """One chunk of queries over one chunk of keys: None if none sees any, else without a
+    mask, causally, or masked (See Note [attention kernels])."""
+    if _hidden(queries, keys, spec.window):
+        return None
+    padded = not bool(key_real[:, keys.start : keys.stop].all())
+    in_window = spec.window is None or queries.stop - 1 - keys.start < spec.window
+    if not padded and in_window and keys.stop <= queries.start:
+        return partial_attention(query, kv[0], kv[1], spec)
+    if not padded and in_window and keys == queries:
+        return partial_attention(query, kv[0], kv[1], spec, causal=True)
+    allowed = visible(
+        _positions(queries, query.device),
+        _positions(keys, query.device),
+        key_real[:, keys.start : keys.stop],
+        spec.window,
+    )
+    return partial_attention(query, kv[0], kv[1], spec, allowed)
 
 
 def _chunks(tensor: torch.Tensor, ranges: Sequence[range]) -> list[torch.Tensor]:
