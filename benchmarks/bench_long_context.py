@@ -1,0 +1,260 @@
+"""One long request on 2 ranks: the unsplit model, a pipeline, context parallelism (cp = 2) and
+tensor parallelism, measured side by side and predicted by the planner's comparison of
+parallelisms (conveyor.planner.parallelism) from costs measured in the same run.
+
+    python benchmarks/bench_long_context.py          # the 'long-context' section of benchmarks.md
+    python benchmarks/bench_long_context.py --quick  # short prompts, one round, nothing written
+
+A Llama-style model (Hugging Face LlamaForCausalLM from a small config: 4 layers, width 256,
+4 heads, float32, a static KV cache in every mode) generates 32 tokens after one prompt of
+4k, 16k and 64k tokens. Every mode runs in the same two gloo processes (1 thread each),
+alternating mode by mode inside each round: the unsplit model on rank 0 (1 and 2 threads)
+while rank 1 waits, the pipeline (2 stages), cp = 2 (DecodePipeline(cp=2)) and tensor
+parallelism (torch's parallelize_module over the attention and MLP projections, both ranks
+running the generation). Time to first token and decode tokens/s come from
+``DecodePipeline.stats``; medians over rounds, the spread (min-max) beside them. The
+prediction: each unit (embedding, one block, head) profiled at decode and prefill shapes on
+both ranks at once, the link measured between them, and ``estimate`` run for each mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import write_section
+
+from conveyor.inference import DecodePipeline
+from conveyor.inference.models import as_causal_lm
+from conveyor.planner.calibrate import measure_link
+from conveyor.planner.decode_cost import profile_stage
+from conveyor.planner.parallelism import LayerCosts, estimate
+
+MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")
+STRATEGY = {"unsplit, 1 thread": ("pipeline", 1), "pipeline": ("pipeline", 2),
+            "cp = 2": ("context", 2), "tp = 2": ("tensor", 2)}  # fmt: skip
+"""The planner's strategy and device count that predicts each mode."""
+
+
+def build(context: int) -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=context,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def tensor_parallel(model: Any) -> Any:
+    """``model`` with every layer's projections split over the two ranks (Megatron-style)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {}
+    for i in range(len(model.model.layers)):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):  # fmt: skip
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
+    return model
+
+
+def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(0, 3600)
+    )
+    context = max(args.prompts) + args.new_tokens
+    plain = build(context)
+    pipeline = DecodePipeline(build(context), timeout_s=3600)
+    cp = DecodePipeline(build(context), cp=2, timeout_s=3600)
+    tp = DecodePipeline(tensor_parallel(build(context)), local=True)
+    link = measure_link()
+    runs = {
+        "unsplit, 1 thread": lambda ids: _alone(rank, plain, ids, args.new_tokens, 1),
+        "unsplit, 2 threads": lambda ids: _alone(rank, plain, ids, args.new_tokens, 2),
+        "pipeline": lambda ids: _run(pipeline, ids, args.new_tokens, cache="static"),
+        "cp = 2": lambda ids: _run(cp, ids, args.new_tokens),
+        "tp = 2": lambda ids: _run(tp, ids, args.new_tokens, cache="static"),
+    }
+    results: dict[Any, Any] = {"link": link, "loads": [os.getloadavg()[0]]}
+    for prompt in args.prompts:
+        ids = torch.randint(1, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+        measured: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+        for round_index in range(args.rounds):
+            order = MODES if round_index % 2 == 0 else MODES[::-1]  # alternate the order
+            for mode in order:
+                dist.barrier()
+                found = runs[mode](ids)
+                if found is not None:
+                    measured[mode].append(found)
+            print(f"rank {rank}: prompt {prompt} round {round_index} done", flush=True)
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, measured)
+        results[prompt] = {m: gathered[0][m] or gathered[1][m] for m in MODES}
+    results["loads"].append(os.getloadavg()[0])
+    fits = _profile(plain, args)
+    gathered_fits: list[Any] = [None, None]
+    dist.all_gather_object(gathered_fits, fits)
+    if rank == 0:
+        results["fits"] = {k: (gathered_fits[0][k] + gathered_fits[1][k]) * 0.5 for k in fits}
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _alone(
+    rank: int, model: Any, ids: torch.Tensor, new_tokens: int, threads: int
+) -> tuple[float, float] | None:
+    """The unsplit model on rank 0 (rank 1 waits at the next barrier)."""
+    if rank != 0:
+        return None
+    torch.set_num_threads(threads)
+    try:
+        return _run(DecodePipeline(model, local=True), ids, new_tokens, cache="static")
+    finally:
+        torch.set_num_threads(1)
+
+
+def _run(
+    decoder: DecodePipeline, ids: torch.Tensor, new_tokens: int, **options: Any
+) -> tuple[float, float] | None:
+    """(time to first token, decode tokens/s) where the rank knows them (the last stage)."""
+    decoder.generate(ids, max_new_tokens=new_tokens, **options)
+    stats = decoder.stats
+    if stats is None or stats.time_to_first_token is None or stats.decode_tokens_per_s is None:
+        return None
+    return stats.time_to_first_token, stats.decode_tokens_per_s
+
+
+def _profile(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Each unit's fits, on both ranks at once (as the modes run): embedding, one block,
+    the head; decode measured after prompts up to a quarter of the longest, prefill chunks
+    up to 8k, both extrapolated linearly in tokens and query-key pairs."""
+    lm = as_causal_lm(model)
+    longest = max(args.prompts)
+    starts = sorted({min(longest // 4, s) for s in (512, 2048, 8192, 16384)})
+    chunks = sorted({min(longest // 4, c) for c in (512, 2048, 8192)})
+    last = lm.num_units - 1
+    units = {"embed": range(0, 1), "block": range(1, 2), "head": range(last, last + 1)}
+    return {
+        name: profile_stage(lm, where, rows=[1], starts=starts, chunks=chunks, steps=4, repeats=2)
+        for name, where in units.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="prompts 1k and 2k, one round")
+    parser.add_argument("--no-write", action="store_true", help="print, do not publish")
+    parser.add_argument("--force", action="store_true", help="publish even on a busy machine")
+    args = parser.parse_args()
+    if args.quick:
+        args.prompts, args.rounds, args.no_write = [1024, 2048], 1, True
+    before = os.getloadavg()[0]
+    print(f"load average before: {before:.2f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
+        results = torch.load(out, weights_only=False)
+    after = os.getloadavg()[0]
+    text = render(args, results, before, after)
+    print(text)
+    if args.no_write:
+        return
+    if max(before, after) > 1.5 and not args.force:
+        print("not published: the machine was busy (load above 1.5); rerun alone or --force")
+        return
+    write_section("long-context", text)
+
+
+def render(args: argparse.Namespace, results: dict[Any, Any], before: float, after: float) -> str:
+    fits, link = results["fits"], results["link"]
+    costs = LayerCosts(
+        fits["embed"], fits["block"], fits["head"], hidden_size=256, num_heads=4,
+        dtype_bytes=4, block_params=0, head_params=0,
+    )  # fmt: skip
+    lines = [
+        "## One long request: pipeline, tensor and context parallelism, measured and predicted",
+        "",
+        f"`python benchmarks/bench_long_context.py` ({args.rounds} rounds, mode order "
+        f"alternating; load average {before:.2f} before, {after:.2f} after; {os.cpu_count()} "
+        f"CPU cores, torch {torch.__version__}). Llama-style model: 4 layers, width 256, 4 "
+        f"heads, float32, static KV cache; batch 1, {args.new_tokens} new tokens. Median "
+        "(min-max); *pred.* is the planner's estimate from the costs profiled in the same run "
+        f"(link {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s), *err.* its "
+        "error against the median.",
+        "",
+        "| prompt | mode | time to first token (s) | pred. | err. | decode tokens/s | pred. | "
+        "err. | decode vs pipeline | decode vs unsplit (2 threads) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for prompt in args.prompts:
+        rows = results[prompt]
+        base = {m: _median([d for _, d in rows[m]]) for m in MODES if rows[m]}
+        for mode in MODES:
+            if not rows[mode]:
+                continue
+            ttft, decode = [t for t, _ in rows[mode]], [d for _, d in rows[mode]]
+            predicted = _predicted(mode, costs, link, prompt, args.new_tokens)
+            lines.append(
+                f"| {prompt} | {mode} | {_spread(ttft)} | {_pred(predicted, 0)} | "
+                f"{_error(predicted, 0, ttft)} | {_spread(decode)} | {_pred(predicted, 1)} | "
+                f"{_error(predicted, 1, decode)} | {_median(decode) / base['pipeline']:.2f}x | "
+                f"{_median(decode) / base['unsplit, 2 threads']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def _predicted(
+    mode: str, costs: LayerCosts, link: Any, prompt: int, new_tokens: int
+) -> tuple[float, float] | None:
+    if mode not in STRATEGY:
+        return None
+    strategy, devices = STRATEGY[mode]
+    found = estimate(strategy, costs, 4, link, devices, prompt, new_tokens)  # type: ignore[arg-type]
+    return None if found is None else (found.time_to_first_token, found.decode_tokens_per_s)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{_median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
+
+
+def _pred(predicted: tuple[float, float] | None, index: int) -> str:
+    return "-" if predicted is None else f"{predicted[index]:.3g}"
+
+
+def _error(predicted: tuple[float, float] | None, index: int, values: list[float]) -> str:
+    if predicted is None:
+        return "-"
+    return f"{predicted[index] / _median(values) - 1:+.0%}"
+
+
+if __name__ == "__main__":
+    main()
