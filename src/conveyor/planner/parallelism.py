@@ -16,11 +16,15 @@ a link model, each strategy run through the simulator as a decode Program.
   the ring (P - 1 transfers per layer, overlapped with the attention); decode with the KV
   cache sharded along the sequence: every device runs the new token's projections and MLP
   (weights replicated), attends over its shard, and the partial results are combined by an
-  all-reduce of one hidden vector per layer.
+  all-gather of each device's partial output (about one hidden vector) per layer, as
+  conveyor.inference.context runs it.
+- **pipeline x context**: the layers in P/2 stages, each served by a cp group of 2 devices
+  (DecodePipeline(cp=2) on P ranks), each stage's work divided as context parallelism
+  divides it.
 
 Compute that a strategy splits is divided by P with its fixed per-call cost kept whole; KV
-caches take 2 x layers x positions x hidden values in all three, divided by P (TP while
-P <= heads). Weights: PP and TP hold 1/P of them, CP all of them.
+caches take 2 x layers x positions x hidden values in all of them, divided by P (TP while
+P <= heads). Weights: PP and TP hold 1/P of them, CP all of them, PP x CP 2/P.
 """
 
 from __future__ import annotations
@@ -204,7 +208,7 @@ class _ContextCost(_TensorCost):
             head = _fit(self.costs.head, length).time(1, length, start)
         else:  # decode: the token everywhere, its attention over a P-th of the cache each
             local = Fit(fit.fixed, fit.per_token, fit.per_pair / p).time(1, length, start)
-            layer = local + _all_reduce(self.link, self.costs.hidden_bytes, p)
+            layer = local + (p - 1) * self.link.transfer(self.costs.hidden_bytes)
             head = _fit(self.costs.head, length).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
         return embed + self.num_layers * layer + head
