@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["ResumableLoader", "epoch_order"]
+__all__ = ["ResumableLoader", "epoch_order", "replica_share"]
 
 
 def epoch_order(num_samples: int, epoch: int, seed: int = 0, shuffle: bool = True) -> list[int]:
@@ -21,8 +21,18 @@ def epoch_order(num_samples: int, epoch: int, seed: int = 0, shuffle: bool = Tru
     return torch.randperm(num_samples, generator=generator).tolist()
 
 
-def _seed(purpose: str, seed: int, epoch: int) -> int:
-    digest = hashlib.blake2b(f"{purpose}:{seed}:{epoch}".encode(), digest_size=8).digest()
+def replica_share(batch: list[int], num_replicas: int, replica: int) -> list[int]:
+    """Replica ``replica``'s contiguous part of a global batch (parts differ by at most one
+    sample, for a last batch kept by ``drop_last=False``)."""
+    size, rest = divmod(len(batch), num_replicas)
+    start = replica * size + min(replica, rest)
+    return batch[start : start + size + (replica < rest)]
+
+
+def _seed(purpose: str, *parts: int) -> int:
+    """A 63-bit seed drawn from ``purpose`` and integers (a seed, an epoch, a sample ...)."""
+    text = ":".join([purpose, *map(str, parts)])
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -107,11 +117,8 @@ class ResumableLoader:
         ]
 
     def share(self, batch: list[int]) -> list[int]:
-        """This replica's contiguous part of a global batch (parts differ by at most one
-        sample, for a last batch kept by ``drop_last=False``)."""
-        size, rest = divmod(len(batch), self.num_replicas)
-        start = self.replica * size + min(self.replica, rest)
-        return batch[start : start + size + (self.replica < rest)]
+        """This replica's contiguous part of a global batch (see ``replica_share``)."""
+        return replica_share(batch, self.num_replicas, self.replica)
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch, from the current position."""
