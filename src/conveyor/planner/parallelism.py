@@ -43,8 +43,8 @@ from conveyor.simulator import simulate
 
 __all__ = ["STRATEGIES", "Estimate", "LayerCosts", "Strategy", "compare", "estimate"]
 
-Strategy = Literal["pipeline", "tensor", "context"]
-STRATEGIES: tuple[Strategy, ...] = ("pipeline", "tensor", "context")
+Strategy = Literal["pipeline", "tensor", "context", "pipeline x context"]
+STRATEGIES: tuple[Strategy, ...] = ("pipeline", "tensor", "context", "pipeline x context")
 
 
 @dataclass(frozen=True)
@@ -93,14 +93,18 @@ def estimate(
 ) -> Estimate | None:
     """``strategy``'s estimate, or None where it does not apply (TP beyond one device per
     head, PP beyond one device per layer)."""
-    if (strategy == "tensor" and devices > costs.num_heads) or (
-        strategy == "pipeline" and devices > num_layers
+    staged = strategy == "pipeline x context"
+    if (
+        (strategy == "tensor" and devices > costs.num_heads)
+        or (strategy == "pipeline" and devices > num_layers)
+        or (staged and (devices < 4 or devices % 2 or devices > 2 * num_layers))
     ):
         return None
     first = _simulated(strategy, costs, num_layers, link, devices, prompt, 1)
     total = _simulated(strategy, costs, num_layers, link, devices, prompt, new_tokens)
     kv = 2 * num_layers * (prompt + new_tokens) * costs.hidden_bytes / devices
     weights = num_layers * costs.block_params + costs.head_params
+    replicas = {"context": devices, "pipeline x context": 2}.get(strategy, 1)
     return Estimate(
         strategy,
         devices,
@@ -108,7 +112,7 @@ def estimate(
         first,
         (new_tokens - 1) / (total - first),
         kv,
-        weights * costs.dtype_bytes / (1 if strategy == "context" else devices),
+        weights * costs.dtype_bytes * replicas / devices,
     )
 
 
@@ -141,11 +145,14 @@ def _simulated(
     new_tokens: int,
 ) -> float:
     """Seconds for ``strategy`` to prefill ``prompt`` tokens and generate ``new_tokens``."""
-    if strategy == "pipeline":
-        graph = chain(devices)
-        items = decode_items(1, prompt, new_tokens, math.ceil(prompt / (4 * devices)))
-        layers = [len(range(s, num_layers, devices)) for s in range(devices)]
-        fits = [costs.block * n for n in layers]
+    if strategy in ("pipeline", "pipeline x context"):
+        cp = 2 if strategy == "pipeline x context" else 1
+        stages = devices // cp
+        graph = chain(stages)
+        chunk = None if cp > 1 else math.ceil(prompt / (4 * devices))  # cp splits the prompt
+        items = decode_items(1, prompt, new_tokens, chunk)
+        layers = [len(range(s, num_layers, stages)) for s in range(stages)]
+        fits = [_context_fit(costs.block, link, costs, cp) * n for n in layers]
         fits[0] = fits[0] + costs.embed
         fits[-1] = fits[-1] + costs.head
         cost = DecodeCost(fits, graph, items, [range(1)], costs.hidden_bytes, link=link)
@@ -156,6 +163,18 @@ def _simulated(
     return simulate(
         decode_program(graph, items), graph, split(costs, num_layers, link, devices, items)
     ).step_time
+
+
+def _context_fit(block: StageFit, link: Link, costs: LayerCosts, cp: int) -> StageFit:
+    """A block's fits when a cp group of ``cp`` ranks serves it: a prompt's tokens and pairs
+    split over the group (ring transfers overlapped), a new token's pairs split and one
+    all-gather of its attention output added."""
+    if cp == 1:
+        return block
+    gather = (cp - 1) * link.transfer(costs.hidden_bytes)
+    decode = Fit(block.decode.fixed + gather, block.decode.per_token, block.decode.per_pair / cp)
+    prefill = Fit(block.prefill.fixed, block.prefill.per_token / cp, block.prefill.per_pair / cp)
+    return StageFit(decode, prefill)
 
 
 def _divided(fit: Fit, devices: int) -> Fit:
