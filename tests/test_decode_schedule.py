@@ -162,11 +162,11 @@ def test_parallelisms_on_paper_agree_on_one_device_and_split_memory() -> None:
     found = compare(costs, 8, link, [2, 8], [256, 4096])
     assert {(e.strategy, e.devices) for e in found} == {
         (s, p) for s in ("pipeline", "context") for p in (2, 8)
-    } | {("tensor", 2)}  # 4 heads: at most 4 devices of tensor parallelism
+    } | {("tensor", 2), ("pipeline x context", 8)}  # 4 heads: at most 4 devices of tensor
     for e in found:
         assert e.kv_bytes_per_device == 2 * 8 * (e.prompt + 16) * 64 * 4 / e.devices
-        replicated = e.strategy == "context"
-        assert e.weight_bytes_per_device == (8 * 1000 + 500) * 4 / (1 if replicated else e.devices)
+        copies = {"context": e.devices, "pipeline x context": 2}.get(e.strategy, 1)
+        assert e.weight_bytes_per_device == (8 * 1000 + 500) * 4 * copies / e.devices
     by = {(e.strategy, e.devices, e.prompt): e for e in found}
     # a long prompt: context parallelism divides the quadratic attention, as pipelines with
     # chunks do, and both beat tensor parallelism's two all-reduces per layer at 2 devices
