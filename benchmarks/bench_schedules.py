@@ -1,6 +1,6 @@
 """Every schedule, conveyor vs torch.distributed.pipelining, each out of the box.
 
-    python benchmarks/bench_schedules.py            # gpipe, 1f1b, interleaved-1f1b, zb-v; m 4, 8
+    python benchmarks/bench_schedules.py   # gpipe, 1f1b, interleaved-1f1b, zb-v, dualpipev; m 8, 4
     python benchmarks/bench_schedules.py --rounds 1 --steps 3 --no-write    # a quick look
     python benchmarks/bench_schedules.py --plan plan.json     # that plan as the planned row
 
@@ -143,7 +143,7 @@ def render(
         f"GPT: embedding, 8 blocks (d_model 256, 4 heads), head; sequence 128, vocabulary "
         f"2048, no dropout; batch {batch}; SGD. {RANKS} gloo ranks of 1 thread each; 2 stages "
         "(1 per rank) for gpipe and 1f1b, 4 (2 per rank, loop placement for interleaved-1f1b, "
-        "V for zb-v), layers spread evenly. Each system in its own fresh processes "
+        "V for zb-v and dualpipev), layers spread evenly. Each system in its own fresh processes "
         "(torch's never import conveyor), alternating, "
         f"{len(rounds['plain'])} rounds of {args.steps} steps after {args.warmup} warm-up; step = "
         "slowest rank's zero_grad + step + optimizer.step between barriers; figures are "

@@ -40,6 +40,7 @@ SCHEDULES = {
     "1f1b": (1, "loop", "Schedule1F1B"),
     "interleaved-1f1b": (2, "loop", "ScheduleInterleaved1F1B"),
     "zb-v": (2, "v", "ScheduleZBVZeroBubble"),
+    "dualpipev": (2, "v", "ScheduleDualPipeV"),
 }
 PLANNED = "planned"
 """The configuration ``conveyor plan`` chose for the batch (Spec.plan): conveyor only."""

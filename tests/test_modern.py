@@ -1,6 +1,7 @@
-"""Modern schedules on real ranks: interleaved 1F1B, ZB-H1 and ZB-V train exactly as plain
-training does (with virtual stages, checkpointing and tied weights), hold the activation
-memory their papers promise, and deferred batch norm keeps the plain model's statistics."""
+"""Modern schedules on real ranks: interleaved 1F1B, ZB-H1, ZB-V and DualPipeV train exactly
+as plain training does (with virtual stages, checkpointing and tied weights), hold the
+activation memory their papers promise, and deferred batch norm keeps the plain model's
+statistics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import conveyor
 from conveyor.graph import StageGraph
@@ -32,6 +34,7 @@ LAYOUTS = [
     ("interleaved-1f1b", 2),
     ("zb-h1", 1),
     ("zb-v", 2),
+    ("dualpipev", 2),
 ]
 
 
@@ -43,16 +46,17 @@ class Scale(nn.Module):
         return x * 2.0
 
 
-def tied_chain(num_stages: int, width: int = 8) -> nn.Sequential:
+def tied_chain(num_stages: int, width: int = 8, tie: bool = True) -> nn.Sequential:
     """Per stage a Linear and a Tanh, float64; the first and the last Linear share one weight
-    (tied, as a GPT's embedding and output projection), and the first stage starts with
-    Scale."""
+    (tied, as a GPT's embedding and output projection; unless ``tie`` is False), and the first
+    stage starts with Scale."""
     torch.manual_seed(0)
     layers: list[nn.Module] = [Scale()]
     for _ in range(num_stages):
         layers += [nn.Linear(width, width, bias=False), nn.Tanh()]
     model = nn.Sequential(*layers).double()
-    model[-2].weight = model[1].weight
+    if tie:
+        model[-2].weight = model[1].weight
     return model
 
 
@@ -90,13 +94,16 @@ def check_step(
             )
 
 
-def _correctness(rank: int, world_size: int, cases: list[tuple[str, int, int, str]]) -> None:
+def _correctness(
+    rank: int, world_size: int, cases: list[tuple[str, int, int, str]], tie: bool = True
+) -> None:
     x = torch.randn(12, 8, dtype=torch.float64)
     y = torch.randn(12, 8, dtype=torch.float64)
     for schedule, per_rank, m, checkpoint in cases:
-        what = f"{schedule} x{per_rank} m={m} checkpoint={checkpoint} on {world_size} ranks:"
+        what = f"{schedule} x{per_rank} m={m} checkpoint={checkpoint} on {world_size} ranks"
+        what += ":" if tie else " (no tie):"
         num_stages = per_rank * world_size
-        plain = tied_chain(num_stages)
+        plain = tied_chain(num_stages, tie=tie)
         pipe = conveyor.Pipeline(
             copy.deepcopy(plain),
             balance=balance(num_stages),
@@ -138,7 +145,61 @@ def test_every_schedule_matches_plain_training_on_4_ranks(tmp_path: Path) -> Non
         if (s, v) != ("gpipe", 2)
         for m, c in ((4, "never"), (6, "never"), (5, "always"))
     ]
+    grid.append(("dualpipev", 2, 8, "never"))  # DualPipeV's steady state needs m >= 2p
     run_ranks(_correctness, tmp_path, world_size=4, timeout_s=300, cases=grid)
+
+
+def test_dualpipev_without_a_tie_matches_plain_training(tmp_path: Path) -> None:
+    grid = [("dualpipev", 2, m, c) for m, c in ((1, "never"), (4, "never"), (6, "always"))]
+    run_ranks(_correctness, tmp_path, world_size=2, timeout_s=120, cases=grid, tie=False)
+
+
+def _replicated(rank: int, world_size: int) -> None:
+    """dp=2 x pp=2: each replica runs DualPipeV on its half of the batch; the loss and every
+    gradient are plain training's on the whole batch, with and without the tie."""
+    m = 4
+    x = torch.randn(24, 8, dtype=torch.float64)
+    y = torch.randn(24, 8, dtype=torch.float64)
+    for tie in (True, False):
+        what = f"dualpipev dp=2 x pp=2 m={m} tie={tie}:"
+        plain = tied_chain(4, tie=tie)
+        pipe = conveyor.Pipeline(
+            copy.deepcopy(plain),
+            dp=2,
+            balance=balance(4),
+            schedule="dualpipev",
+            num_microbatches=m,
+            loss_fn=F.mse_loss,
+            broadcast_loss=True,
+            timeout_s=15,
+        )
+        assert pipe.num_replicas == 2 and len(pipe.graph.stages_on(pipe.rank)) == 2
+        share = slice(12 * pipe.replica, 12 * pipe.replica + 12)
+        ours = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        theirs = torch.optim.SGD(plain.parameters(), lr=0.5)
+        for _ in range(2):  # the second step checks that the tied copies stayed one weight
+            expected = reference(plain, x, y, 2 * m)  # the replicas' micro-batches, in order
+            loss = pipe.step(x[share], y[share])
+            torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10, msg=what)
+            grads = dict(plain.named_parameters(remove_duplicate=False))
+            for name, param in pipe.named_parameters():
+                grad = param.grad  # a replicated stage's, with split backward, is a DTensor
+                torch.testing.assert_close(
+                    grad.full_tensor() if isinstance(grad, DTensor) else grad,
+                    grads[name].grad,
+                    rtol=0,
+                    atol=1e-10,
+                    msg=lambda text, n=name, w=what: f"{w} {n}: {text}",
+                )
+            ours.step()
+            theirs.step()
+            ours.zero_grad()
+            theirs.zero_grad()
+        assert pipe.ties.max_difference() == 0.0
+
+
+def test_dualpipev_with_data_parallelism_matches_plain_training(tmp_path: Path) -> None:
+    run_ranks(_replicated, tmp_path, world_size=4, timeout_s=180)
 
 
 # -- memory -------------------------------------------------------------------------------
@@ -155,6 +216,7 @@ def theory(schedule: str, p: int, v: int, m: int, rank: int) -> int:
         "interleaved-1f1b": min(v * m, warmup + 1),
         "zb-h1": min(m, p),
         "zb-v": min(2 * p, 2 * m, m + 1 + rank),
+        "dualpipev": min(2 * p + 1, 2 * m, m + 1 + rank),
     }[schedule]
 
 
@@ -212,7 +274,7 @@ def test_peak_activation_memory_matches_theory(tmp_path: Path, world_size: int) 
 
 def _gpt(rank: int, world_size: int) -> None:
     x, y = text_batches(8, 16, 1)[0]
-    for schedule in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
+    for schedule in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"):
         torch.manual_seed(0)
         plain = gpt(seq_len=16, dim=32, num_layers=4, dropout=0.0, tie_embeddings=True)
         pipe = conveyor.Pipeline(
@@ -222,7 +284,8 @@ def _gpt(rank: int, world_size: int) -> None:
             loss_fn=gpt_loss,
             timeout_s=20,
         )
-        assert len(pipe.ties.params) == (0 if schedule == "zb-v" else 1)  # V: one rank
+        is_v = schedule in ("zb-v", "dualpipev")
+        assert len(pipe.ties.params) == (0 if is_v else 1)  # V: one rank
         loss = pipe.step(x, y)
         total = torch.zeros(())
         for xk, yk in zip(x.chunk(4), y.chunk(4), strict=True):

@@ -1,5 +1,6 @@
-"""Interleaved 1F1B, ZB-H1, ZB-V and custom text schedules, as plain data: literal orders,
-validity, the bubble and the activation memory their papers promise, over grids of sizes."""
+"""Interleaved 1F1B, ZB-H1, ZB-V, DualPipeV and custom text schedules, as plain data: literal
+orders, validity, the bubble and the activation memory their papers promise, over grids of
+sizes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain, place
 from conveyor.runtime.memory import alive_peak
 from conveyor.schedule import (
     SCHEDULES,
+    Kind,
     Program,
     ProgramError,
     build_program,
+    dualpipe_v,
     from_text,
     interleaved_1f1b,
     one_f_one_b,
@@ -148,6 +151,64 @@ def test_zb_v_literal() -> None:
     assert compute(program, 1)[:6] == ["1F0", "2F0", "1F1", "2F1", "2I0", "2W0"]
 
 
+def test_dualpipe_v_literal() -> None:
+    program = dualpipe_v(chain(4, placement=[0, 1, 1, 0]), num_microbatches=5)
+    # pairs (F of one chunk, then I and W of the other) from 0F3 on; 0I3 holds its W back
+    assert " ".join(compute(program, 0)) == (
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 0F4 3I2 3W2 3F3 0I1 0W1 "
+        "3I3 3W3 3F4 0I2 0W2 3I4 3W4 0I3 0W3 0I4 0W4"
+    )
+    assert " ".join(compute(program, 1)) == (
+        "1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 1F4 2I2 2W2 "
+        "2F4 1I2 1W2 2I3 2W3 1I3 1W3 2I4 1I4 2W4 1W4"
+    )
+
+
+def torch_dualpipe_v(num_ranks: int, num_microbatches: int, rank: int) -> list[str] | None:
+    """torch.distributed.pipelining's DualPipeV order for ``rank``, in conveyor's text, a full
+    backward as its I then its W and a paired (overlapped) F and B as the F then the B; None
+    where this torch has no ScheduleDualPipeV (the order is read from a private method)."""
+    from torch.distributed.pipelining import schedules
+
+    runner_class = getattr(schedules, "ScheduleDualPipeV", None)
+    if runner_class is None or not hasattr(runner_class, "_calculate_single_rank_operations"):
+        return None
+    runner = object.__new__(runner_class)
+    runner.pp_group_size, runner._n_microbatches = num_ranks, num_microbatches
+    kinds = {schedules.FORWARD: "F", schedules.BACKWARD_INPUT: "I"}
+    kinds[schedules.BACKWARD_WEIGHT] = "W"
+    order: list[str] = []
+
+    def add(action: schedules._Action) -> None:
+        kind, stage, k = action.computation_type, action.stage_index, action.microbatch_index
+        if kind == schedules.OVERLAP_F_B:
+            for part in action.sub_actions or ():
+                add(part)
+        elif kind == schedules.FULL_BACKWARD:
+            order.extend([f"{stage}I{k}", f"{stage}W{k}"])
+        else:
+            order.append(f"{stage}{kinds[kind]}{k}")
+
+    for action in runner._calculate_single_rank_operations(rank):
+        if action is not None:
+            add(action)
+    return order
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+def test_dualpipe_v_is_torchs_order(num_ranks: int) -> None:
+    """The order torch.distributed.pipelining.ScheduleDualPipeV runs (DeepSeek's), for every
+    m it accepts (m >= 2p) up to 16."""
+    graph = graph_for("dualpipev", num_ranks)
+    for m in range(2 * num_ranks, 17):
+        program = dualpipe_v(graph, m)
+        for rank in range(num_ranks):
+            theirs = torch_dualpipe_v(num_ranks, m, rank)
+            if theirs is None:
+                pytest.skip("this torch has no ScheduleDualPipeV")
+            assert compute(program, rank) == theirs, (m, rank)
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_microbatches", [1, 2, 3, 5, 8])
 def test_interleaved_with_one_chunk_is_1f1b(num_ranks: int, num_microbatches: int) -> None:
@@ -201,6 +262,34 @@ def test_zb_v_is_valid_with_a_small_bubble(num_ranks: int, num_microbatches: int
         assert step < 2 * (3 * m + p - 1) or p == 1
 
 
+def dualpipe_v_step(p: int, m: int) -> int:
+    """DualPipeV's step in units of one chunk's F = I = W: 6m of work per rank and p - 1 idle
+    once m >= 2p; with fewer, the 2p schedule with the missing micro-batches left out."""
+    if m >= 2 * p:
+        return 6 * m + p - 1
+    if m <= p:
+        return 4 * (m + p) - 2
+    return min(6 * m + 2 * p - 2, 4 * m + 5 * p - 1)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_microbatches", range(1, 17))
+def test_dualpipe_v_is_valid_with_its_bubble_and_memory(
+    num_ranks: int, num_microbatches: int
+) -> None:
+    p, m = num_ranks, num_microbatches
+    graph = graph_for("dualpipev", p)
+    program = dualpipe_v(graph, m)
+    validate(program, graph)  # F, then I, then W of every micro-batch on every stage
+    assert not any(a.kind is Kind.B for actions in program for a in actions)
+    timeline = simulate(program, graph)  # per chunk F = I = W = 1
+    assert timeline.step_time == pytest.approx(dualpipe_v_step(p, m))
+    for rank in range(p):
+        assert alive_peak(program[rank]) == theory("dualpipev", p, 2, m, rank)
+    if m >= 2 * p:  # ZB-V's step on paper, for one more activation set
+        assert dualpipe_v_step(p, m) == simulate(zb_v(graph, m), graph).step_time
+
+
 def test_zb_h1_runs_on_a_dag_like_1f1b() -> None:
     # stage 0 feeds 1 and 2, both feed 3: depth 3, so stage 0 holds back no W and 3 holds two
     stages = (
@@ -223,7 +312,7 @@ def theory(name: str, p: int, v: int, m: int, rank: int) -> int:
 
     GPipe keeps every micro-batch of every local stage; 1F1B at most p - rank; interleaved
     1F1B its warm-up plus one; ZB-H1 p on every rank (1F1B's peak); ZB-V 2p half-size chunks
-    (p full stages, 1F1B's peak) once m fills the V.
+    (p full stages, 1F1B's peak) once m fills the V; DualPipeV one more than ZB-V.
     """
     if name == "gpipe":
         return v * m
@@ -237,10 +326,14 @@ def theory(name: str, p: int, v: int, m: int, rank: int) -> int:
         return min(m, p)
     if name == "zb-v":
         return min(2 * p, 2 * m, m + 1 + rank)
+    if name == "dualpipev":
+        return min(2 * p + 1, 2 * m, m + 1 + rank)
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize(
+    "name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"]
+)
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_microbatches", [1, 2, 3, 4, 5, 8, 11])
 def test_peak_activations_match_theory(name: str, num_ranks: int, num_microbatches: int) -> None:
@@ -324,6 +417,7 @@ def test_a_stage_count_a_layout_cannot_place_is_named(
         ("interleaved-1f1b", chain(3, num_ranks=2), "placed in a loop"),
         ("zb-v", chain(4, num_ranks=2), "placed in a V"),
         ("zb-v", chain(2), "placed in a V"),
+        ("dualpipev", chain(4, num_ranks=2), "'dualpipev' needs 4 stages placed in a V"),
         ("zb-h1", chain(4, num_ranks=2), "one stage per rank"),
         ("1f1b", chain(4, num_ranks=2), "interleaved"),
     ],
@@ -407,6 +501,11 @@ def test_custom_text_is_validated_before_it_runs(text: str, message: str) -> Non
         (
             ["--schedule", "zb-v", "--stages", "2", "--microbatches", "4"],
             "ranks=2 stages=4 microbatches=4 step=25",
+        ),
+        (
+            ["--schedule", "dualpipev", "--stages", "4", "--microbatches", "8"],
+            "ranks=4 stages=8 microbatches=8 step=51 units (per stage F=1, B=2 or I=1 + W=1) "
+            "bubble=5.9% peak activations=[9, 9, 9, 9]",
         ),
         (
             ["--schedule", "interleaved-1f1b", "--stages", "2", "--virtual-stages", "3"],

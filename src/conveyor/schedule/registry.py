@@ -15,6 +15,7 @@ from conveyor.graph import PlacementStyle, StageGraph, place
 from conveyor.program import Program, Schedule, ScheduleMismatch
 from conveyor.schedule.chain import gpipe, one_f_one_b
 from conveyor.schedule.dag import graph_1f1b, graph_gpipe
+from conveyor.schedule.dualpipe import dualpipe_v
 from conveyor.schedule.interleaved import interleaved_1f1b
 from conveyor.schedule.zero_bubble import zb_h1, zb_v
 
@@ -80,6 +81,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("interleaved-1f1b", interleaved_1f1b, "chain", virtual_stages=2),
         ScheduleSpec("zb-h1", zb_h1, "one stage per rank", split_backward=True),
         ScheduleSpec("zb-v", zb_v, "chain", 2, "v", exact=True, split_backward=True),
+        ScheduleSpec("dualpipev", dualpipe_v, "chain", 2, "v", exact=True, split_backward=True),
         ScheduleSpec("graph-gpipe", graph_gpipe, "any graph"),
         ScheduleSpec("graph-1f1b", graph_1f1b, "any graph"),
     )
