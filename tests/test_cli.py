@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from conveyor.cli import main
 from conveyor.cli.launch import failure_summary
+from conveyor.planner import Workload, profile_model
 from conveyor.runtime.peers import Failure, read_failure
 from conveyor.trace import load_run
 
@@ -191,3 +194,39 @@ def test_two_nodes_on_localhost_train_two_replicas_and_trace_them(tmp_path: Path
         "replica 0 rank 0", "replica 0 rank 1", "replica 1 rank 0", "replica 1 rank 1",
     ]  # fmt: skip
     assert {e.action for e in timeline.events if e.kind == "reduce"} == {"reduce 0", "reduce 1"}
+
+
+# -- conveyor plan: its time budget and what it says -----------------------------------------
+
+
+def test_plan_without_a_link_says_the_reduction_was_not_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_plan import _batch, _loss, _model
+
+    saved = tmp_path / "profile.json"
+    workload = Workload("f", _model(), _batch, _loss)
+    profile_model(workload, [4, 2], passes=1, min_time_s=0.001).save(saved)
+    argv = ["plan", "--model", "test_plan:_factory", "--world-size", "2", "--memory", "1GiB"]
+    argv += ["--batch-size", "8", "--microbatches", "2", "--profile", str(saved), "--no-link"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dp=2 x pp=1: " in out and "gradient reduction 0.00" not in out
+    assert "gradient reduction not measured (no link between ranks: --no-link" in out
+    assert "dp=1 x pp=2: " in out and "no gradient reduction (one replica)" in out
+
+
+def test_plan_logs_each_phase_and_keeps_its_time_budget(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    argv = ["plan", "--model", "test_plan:_slow", "--ranks", "2", "--memory", "1GiB"]
+    began = time.monotonic()
+    assert main([*argv, "--batch-size", "8", "--no-link", "--time-budget", "2"]) == 0
+    assert time.monotonic() - began <= 2 + 10  # a bound: see test_plan._OVERRUN_S
+    logged = [record.getMessage() for record in caplog.records]
+    for phase in ("profiling slow: 8 units", "searching schedules", "planned slow for 2 ranks"):
+        assert any(line.startswith(phase) for line in logged), (phase, logged)
+    out = capsys.readouterr().out
+    assert "not explored: cut short by the 2 s time budget" in out
+    assert "\n  profile: " in out  # one line per thing left out

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +17,15 @@ from torch import nn
 
 from conveyor import Pipeline
 from conveyor.config import read_plan
-from conveyor.planner import Profile, Unit, UnitStats, Workload, load_workload, plan
+from conveyor.planner import (
+    Profile,
+    Unit,
+    UnitStats,
+    Workload,
+    load_workload,
+    plan,
+    profile_model,
+)
 from conveyor.schedule import SCHEDULES
 from dist import run_ranks
 
@@ -305,13 +315,20 @@ def test_a_graph_model_gets_its_branches_on_separate_ranks() -> None:
 
 
 @pytest.mark.dist
-def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run() -> None:
+def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from conveyor.planner import profile_local
 
+    caplog.set_level(logging.INFO, logger="conveyor.planner.local")
     profile = profile_local(
         "test_plan:_factory", [2, 4], depth=1, batch_size=8, microbatch_counts=[2, 4], timeout_s=240
     )
+    # a line per phase as the ranks end it, not one at the end of minutes of silence
+    for phase in ("runtime overheads:", "link:", "all-reduce link:", "profiled on both", "fitted"):
+        assert f"two local ranks: {phase}" in caplog.text
     assert profile.link is not None and profile.overheads.forward > 0
+    assert profile.reduce_link is not None and not profile.budget_notes
     assert sorted(profile.stats) == [2, 4] and profile.num_units == 12
     assert all(forward > 0 and backward > 0 for forward, backward in profile.calibration.values())
     plan(
@@ -342,3 +359,96 @@ def test_a_mesh_plan_weighs_the_bubble_against_the_reduction_and_says_why() -> N
     assert odd.skipped == ["dp=4 x pp=1: the batch of 6 does not split over 4 replicas"]
     with pytest.raises(ValueError, match="no dp x pp layout of 4 ranks fits"):
         _ = plan_mesh(None, 4, 1, 16, profile=cheap, schedules=["1f1b"]).best
+
+
+# -- the time budget ---------------------------------------------------------------------------
+
+
+class _Slow(nn.Module):
+    """A layer that takes at least 2 ms per forward: profiling a model of them takes seconds
+    (about 6 s for 8 at 3 micro-batch sizes) however fast the machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return torch.tanh(self.linear(x))
+
+
+def _slow() -> Workload:
+    return Workload("slow", nn.Sequential(*(_Slow() for _ in range(8))).double(), _batch, _loss)
+
+
+# A bound, not a benchmark: the planner stops between pieces of work it cannot interrupt
+# (one layer's measurement: ~0.1 s here; one simulation of a 2-rank plan: milliseconds), so
+# 10 s covers a loaded 2-core machine many times over.
+_OVERRUN_S = 10.0
+
+
+def test_a_small_time_budget_bounds_the_whole_plan_and_says_what_it_left_out() -> None:
+    began = time.monotonic()
+    report = plan(_slow(), 2, 1 << 30, 8, time_budget_s=2.0)
+    elapsed = time.monotonic() - began
+    assert elapsed <= 2.0 + _OVERRUN_S
+    assert report.elapsed_s <= elapsed and report.best.fits  # a valid plan, as ever
+    coverage = report.coverage  # a loaded machine may not even finish one pass: default_only
+    assert coverage is not None and not coverage.is_complete
+    assert coverage.unprofiled and coverage.profile_notes  # profiling all of it takes ~6 s
+    assert report.unexplored.startswith("cut short by the 2 s time budget")
+    assert "or None to search everything" in report.unexplored
+    assert coverage.tried and all(name in SCHEDULES for name, _ in coverage.tried)
+    profiled = {round(8 / m) for m in {m for _, m in coverage.tried}}
+    assert profiled <= set(report.profile.microbatch_sizes)  # counts searched were measured
+
+
+def test_a_budget_below_one_profile_returns_the_default_plan_and_says_so() -> None:
+    began = time.monotonic()
+    report = plan(_slow(), 2, 1 << 30, 8, time_budget_s=0.01)
+    assert time.monotonic() - began <= 0.01 + _OVERRUN_S
+    best = report.best
+    assert (best.schedule, best.balanced_by, best.balance) == ("1f1b", "even", (4, 4))
+    assert report.coverage is not None and report.coverage.default_only
+    assert "returned the default (1f1b, 4 micro-batches, an even split) unsearched" in (
+        report.unexplored
+    )
+    assert "of 8 at micro-batch size 2 timed quickly (median of 3 runs)" in report.unexplored
+    assert report.profile.unmeasured_sizes == (4, 1)
+
+
+def test_the_search_keeps_its_budget_without_a_profile_to_make() -> None:
+    profile = _profile([1.0] * 64)
+    began = time.monotonic()
+    report = plan(None, 32, 1 << 40, 64, profile=profile, time_budget_s=0.5)
+    assert time.monotonic() - began <= 0.5 + _OVERRUN_S
+    assert report.best.fits and report.coverage is not None
+    assert report.coverage.untried or report.coverage.unsimulated
+    unlimited = plan(None, 2, 1 << 40, 8, profile=_profile([1.0] * 6), time_budget_s=None)
+    assert unlimited.coverage is not None and unlimited.coverage.is_complete
+    assert unlimited.unexplored == ""
+    with pytest.raises(ValueError, match="positive number of seconds or None"):
+        plan(None, 2, 1 << 40, 8, profile=_profile([1.0] * 6), time_budget_s=0)
+
+
+def test_a_profile_cut_by_its_deadline_keeps_its_first_size_and_says_what_it_lacks(
+    tmp_path: Path,
+) -> None:
+    profile = profile_model(_slow(), [4, 2, 1], deadline=time.monotonic())
+    assert profile.microbatch_sizes == [4] and profile.unmeasured_sizes == (2, 1)
+    assert profile.budget_notes[0] == "micro-batch sizes [2, 1] not profiled"
+    assert "1 of 3 passes at micro-batch size 4" in profile.budget_notes
+    profile.save(tmp_path / "cut.json")
+    assert Profile.load(tmp_path / "cut.json") == profile
+
+
+def test_too_small_a_budget_for_two_ranks_profiles_here_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from conveyor.planner import measured_profile
+
+    caplog.set_level(logging.WARNING)
+    profile = measured_profile(_slow(), 2, 8, spec="test_plan:_slow", time_budget_s=2.0)
+    assert "not measuring on two local ranks" in caplog.text  # no ranks started
+    assert profile.link is None and profile.reduce_link is None
+    assert "runtime overheads, link, all-reduce link not measured" in profile.budget_notes

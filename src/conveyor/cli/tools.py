@@ -15,19 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.planner import (
-    Link,
+    DEFAULT_TIME_BUDGET_S,
+    Budget,
     Profile,
     ProfileCost,
     Workload,
     layout,
     load_workload,
-    measure_reduce_link,
     measured_profile,
     plan,
     plan_mesh,
     predict,
     split_units,
+    with_reduce_link,
 )
+from conveyor.planner.budget import MAX_PROFILE_SHARE, PROFILE_SHARE
 from conveyor.runtime.recompute import RECOMPUTE_MODES
 from conveyor.schedule import build_program, stage_placement
 from conveyor.split import even_balance
@@ -70,6 +72,21 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def seconds_or_none(text: str) -> float | None:
+    """An argparse type: a positive number of seconds, or 'none' (no limit)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds or 'none', got {text!r}"
+        )
     return value
 
 
@@ -135,6 +152,17 @@ def add_tool_commands(commands: Any) -> None:
     )
     planner.add_argument(
         "--fsdp", action="store_true", help="with --world-size: shard stages with FSDP"
+    )
+    planner.add_argument(
+        "--time-budget",
+        type=seconds_or_none,
+        default=DEFAULT_TIME_BUDGET_S,
+        metavar="SECONDS",
+        help="seconds for planning, measuring included (not the seconds Python takes to "
+        "start and import torch before it), or 'none' (default "
+        f"{DEFAULT_TIME_BUDGET_S:g}): measuring stops at {PROFILE_SHARE * 100:.0f}-"
+        f"{MAX_PROFILE_SHARE * 100:.0f}%% of it (the less, the longer the search looks), the "
+        "search at its end, and what was not explored is printed",
     )
     planner.add_argument("--out", type=Path, help="write the best plan to this file")
     planner.add_argument("--top", type=positive_int, default=10, help="plans to print (default 10)")
@@ -214,6 +242,7 @@ def add_simulate_flags(simulate: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.ranks and not args.world_size:
         raise ValueError("pass --ranks P (one pipeline) or --world-size N (dp x pp layouts)")
+    budget = Budget(args.time_budget)  # one for everything below: See Note [planning budget]
     workload = load_workload(args.model)
     profile = Profile.load(args.profile) if args.profile else None
     if profile is None and not args.no_link:
@@ -224,10 +253,12 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             args.microbatches,
             args.schedules,
             spec=args.model,
+            time_budget_s=budget,
         )
+    elif profile is not None and args.world_size and not args.no_link:
+        profile = with_reduce_link(profile, budget)  # a saved profile may have none
     if args.world_size:
-        reduce_link = None if args.no_link else measure_reduce_link()
-        return _plan_mesh(args, workload, profile, reduce_link)
+        return _plan_mesh(args, workload, profile, budget)
     report = plan(
         workload,
         args.ranks,
@@ -238,6 +269,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         microbatches=args.microbatches,
         objectives=args.balance_by,
         checkpointing=not args.no_checkpointing,
+        time_budget_s=budget,
     )
     if args.save_profile:
         report.profile.save(args.save_profile)
@@ -249,6 +281,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(report.table(args.top))
     for note in report.notes:
         print(f"skipped {note}")
+    if report.coverage is not None and report.unexplored:
+        print("not explored: " + report.coverage.describe(separator="\n  "))
     best = report.best  # raises ValueError (exit 2) with the smallest memory any plan needs
     print(
         f"best: {best.schedule}, {best.num_microbatches} micro-batches, stages of "
@@ -279,7 +313,7 @@ def step_range(text: str) -> tuple[int, int]:
 
 
 def _plan_mesh(
-    args: argparse.Namespace, workload: Workload, profile: Profile | None, reduce_link: Link | None
+    args: argparse.Namespace, workload: Workload, profile: Profile | None, budget: Budget
 ) -> int:
     """``conveyor plan --world-size N``: the best dp x pp layout and why."""
     report = plan_mesh(
@@ -288,12 +322,12 @@ def _plan_mesh(
         args.memory,
         args.batch_size,
         profile=profile,
-        reduce_link=reduce_link,
         fsdp=args.fsdp,
         schedules=args.schedules,
         microbatches=args.microbatches,
         objectives=args.balance_by,
         checkpointing=not args.no_checkpointing,
+        time_budget_s=budget,
     )
     print(
         f"{args.model} on {args.world_size} ranks, global batch {args.batch_size}, budget "

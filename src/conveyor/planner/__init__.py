@@ -4,22 +4,22 @@
     print(report.table()); report.write("plan.json")   # Pipeline(model, plan="plan.json")
 
 Modules: ``profile`` (per-layer time and memory), ``calibrate`` (runtime overheads, the link
-between ranks, and fitting a profile to a traced run), ``cost`` (a profile as the simulator's
-cost model), ``partition`` (optimal splits of a profiled model), ``search`` (the planner),
-``report`` (its plans and plan file), ``mesh`` (dp x pp layouts of a world of ranks, each
-pipeline planned, gradient reductions simulated) and ``workloads`` (models known by name).
+between ranks, and fitting a profile to a traced run), ``local`` (all of it on two ranks
+started here, within a deadline), ``cost`` (a profile as the simulator's cost model),
+``partition`` (optimal splits of a profiled model), ``search`` (the planner) and
+``candidates`` (its splits, checkpointing and simulations per schedule), ``budget``
+(one time budget for a planning call, measuring included), ``report`` (its plans and plan
+file), ``mesh`` (dp x pp layouts of a world of ranks, each pipeline planned, gradient
+reductions simulated) and ``workloads`` (models known by name).
 """
 
+from conveyor.planner.budget import DEFAULT_TIME_BUDGET_S, Budget
 from conveyor.planner.calibrate import (
     fit,
     fit_to_run,
     measure_allreduce,
     measure_link,
-    measure_local,
     measure_overheads,
-    measure_reduce_link,
-    measured_profile,
-    profile_local,
     profile_together,
 )
 from conveyor.planner.cost import (
@@ -29,6 +29,13 @@ from conveyor.planner.cost import (
     layout,
     predict,
     split_units,
+)
+from conveyor.planner.local import (
+    measure_local,
+    measure_reduce_link,
+    measured_profile,
+    profile_local,
+    with_reduce_link,
 )
 from conveyor.planner.mesh import MeshPlan, MeshReport, plan_mesh
 from conveyor.planner.profile import (
@@ -42,12 +49,15 @@ from conveyor.planner.profile import (
     scaled,
     trace_units,
 )
-from conveyor.planner.report import Objective, Plan, PlanReport, stage_graph_for
+from conveyor.planner.report import Coverage, Objective, Plan, PlanReport, stage_graph_for
 from conveyor.planner.search import plan
 from conveyor.planner.workloads import EXAMPLES, example, load_workload
 
 __all__ = [
+    "DEFAULT_TIME_BUDGET_S",
     "EXAMPLES",
+    "Budget",
+    "Coverage",
     "Link",
     "MeshPlan",
     "MeshReport",
@@ -83,4 +93,5 @@ __all__ = [
     "split_units",
     "stage_graph_for",
     "trace_units",
+    "with_reduce_link",
 ]

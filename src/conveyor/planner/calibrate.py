@@ -2,22 +2,18 @@
 two ranks), and the ratios a traced step shows between measured and predicted actions.
 
     overheads, link = measure_overheads(), measure_link()   # inside a two-rank process group
-    overheads, link = measure_local()                        # starts two local ranks itself
-    profile.overheads, profile.link = overheads, link
+    profile.overheads, profile.link = overheads, link       # (conveyor.planner.local: ranks here)
     profile = fit(profile, pipe.timeline(), prediction.timeline)   # one traced configuration
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,15 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from conveyor.config import PipelineConfig
-from conveyor.files import write_atomic
 from conveyor.pipeline import Pipeline
+from conveyor.planner.budget import passed
 from conveyor.planner.cost import ProfileCost, layout, predict
 from conveyor.planner.profile import Link, Overheads, Profile, Workload, profile_model
-from conveyor.planner.search import microbatch_counts, microbatch_sizes, plan, unit_depth
-from conveyor.planner.workloads import load_workload
+from conveyor.planner.search import plan
 from conveyor.program import Action
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.schedule import SCHEDULES, spec_of
+from conveyor.schedule import SCHEDULES
 from conveyor.trace import Event, Timeline
 
 __all__ = [
@@ -42,11 +37,9 @@ __all__ = [
     "fit_to_run",
     "measure_allreduce",
     "measure_link",
-    "measure_local",
     "measure_overheads",
-    "measure_reduce_link",
-    "profile_local",
     "profile_together",
+    "ranks_in_time",
 ]
 
 logger = logging.getLogger(__name__)
@@ -120,13 +113,15 @@ def measure_overheads(
 
 def measure_link(
     group: dist.ProcessGroup | None = None,
-    sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
+    sizes: Sequence[int] = (1 << 10, 1 << 22, 1 << 16, 1 << 20),
     repeats: int = 20,
+    deadline: float | None = None,
 ) -> Link:
     """Latency and bandwidth between ranks 0 and 1, from ping-pongs through ``P2P``.
 
     Collective over ``group`` (exactly two ranks); a least-squares line through the one-way
-    times (half a round trip) of each message size.
+    times (half a round trip) of each message size. Past ``deadline`` (``time.monotonic``)
+    the sizes after the first two are left out.
     """
     _need_two(group)
     rank = dist.get_rank(group)
@@ -135,7 +130,9 @@ def measure_link(
     points: list[tuple[int, float]] = []
 
     calls: list[tuple[int, float, float]] = []
-    for size in sizes:
+    for index, size in enumerate(sizes):
+        if index >= 2 and not ranks_in_time(deadline, group):
+            break
         message = torch.zeros(size, dtype=torch.uint8)
         meta = Meta.of(message)
         samples, sending, posting = [], [], []
@@ -182,19 +179,23 @@ def measure_link(
 
 def measure_allreduce(
     group: dist.ProcessGroup | None = None,
-    sizes: Sequence[int] = (1 << 18, 1 << 20, 1 << 22, 1 << 24),
+    sizes: Sequence[int] = (1 << 18, 1 << 22, 1 << 20, 1 << 24),
     repeats: int = 20,
+    deadline: float | None = None,
 ) -> Link:
     """The link a ring all-reduce sees between two ranks, from timing ``all_reduce`` itself.
 
     On two ranks the ring (``conveyor.planner.Replicas``) takes 2 steps of half the bytes:
     time = 2 x latency + bytes / bandwidth, fitted by least squares over ``sizes``; the
     ranks send and receive at once, so it is not the point-to-point link. Collective over
-    ``group`` (exactly two ranks).
+    ``group`` (exactly two ranks). Past ``deadline`` the sizes after the first two are left
+    out.
     """
     _need_two(group)
     points: list[tuple[float, float]] = []
-    for size in sizes:
+    for index, size in enumerate(sizes):
+        if index >= 2 and not ranks_in_time(deadline, group):
+            break
         buffer = torch.ones(size // 4)
         samples = []
         for _ in range(repeats + 2):
@@ -209,80 +210,12 @@ def measure_allreduce(
     return Link(max(intercept / 2, 1e-7), 1.0 / max(slope, 1e-13))
 
 
-def measure_reduce_link(timeout_s: float = 180.0) -> Link:
-    """``measure_allreduce`` on two ranks started here (gloo, one thread each)."""
-    return Link(**_on_two_local_ranks(timeout_s, None)["reduce_link"])
-
-
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - mean_x) ** 2 for x in xs
     )
     return slope, mean_y - slope * mean_x
-
-
-def measure_local(timeout_s: float = 180.0) -> tuple[Overheads, Link]:
-    """Runtime overheads and the link between two ranks started here (gloo, one thread each),
-    for a profile made in a process that has no peers."""
-    data = _on_two_local_ranks(timeout_s, None)
-    return Overheads(**data["overheads"]), Link(**data["link"])
-
-
-def profile_local(
-    spec: str,
-    microbatch_sizes: Sequence[int],
-    depth: int,
-    batch_size: int,
-    microbatch_counts: Sequence[int],
-    timeout_s: float = 900.0,
-) -> Profile:
-    """A fitted profile of the workload ``spec`` (see ``conveyor.planner.load_workload``), made
-    on two ranks started here, as ``conveyor plan`` uses it.
-
-    Both ranks profile the model at once (each core as busy as in a run) and the two are
-    averaged; the runtime's overheads and the link are measured; then the model runs traced
-    on both ranks in the default schedule, split as the planner would split it with
-    each of ``microbatch_counts``, and the profile is fitted to those runs (``fit_to_run``).
-    """
-    job = {
-        "spec": spec,
-        "sizes": list(microbatch_sizes),
-        "depth": depth,
-        "batch_size": batch_size,
-        "counts": list(microbatch_counts),
-    }
-    return Profile.from_dict(_on_two_local_ranks(timeout_s, job)["profile"])
-
-
-def _on_two_local_ranks(timeout_s: float, job: dict[str, Any] | None) -> dict[str, Any]:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as directory:
-        out = Path(directory, "measured.json")
-        context = mp.spawn(  # type: ignore[attr-defined,no-untyped-call]  # untyped in torch
-            _local_worker, args=(str(Path(directory, "store")), str(out), job), nprocs=2, join=False
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"measuring on two local ranks took over "
-                        f"{timeout_s:.0f} s; pass --no-link to plan without it"
-                    )
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-        data: dict[str, Any] = json.loads(out.read_text())
-    warning = busy_warning(max(load_before, os.getloadavg()[0]), os.cpu_count() or 1)
-    if warning:
-        logger.warning("%s", warning)
-    return data
 
 
 def busy_warning(load: float, cores: int, own: int = 2) -> str | None:
@@ -301,52 +234,30 @@ def busy_warning(load: float, cores: int, own: int = 2) -> str | None:
     )
 
 
-def _local_worker(rank: int, store: str, out: str, job: dict[str, Any] | None) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=120),
-    )
-    try:
-        overheads = measure_overheads()
-        link = measure_link()
-        result: dict[str, Any] = {
-            "overheads": dataclasses.asdict(overheads),
-            "link": dataclasses.asdict(link),
-            "reduce_link": dataclasses.asdict(measure_allreduce()),
-        }
-        if job is not None:
-            result["profile"] = _fitted_profile(job, overheads, link).to_dict()
-        if rank == 0:
-            write_atomic(out, json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
 def profile_together(
     workload: Workload,
     microbatch_sizes: Sequence[int],
     depth: int = 1,
     group: dist.ProcessGroup | None = None,
+    deadline: float | None = None,
 ) -> Profile:
     """Every rank of ``group`` profiles the model at the same time, so each core is as busy as
-    in a pipeline run; the medians of all ranks are averaged. Collective."""
+    in a pipeline run; the medians of all ranks are averaged (of a size some rank had no time
+    for, those of the ranks that measured it: ``profile_model``'s ``deadline``). Collective."""
     dist.barrier(group)
-    mine = profile_model(workload, microbatch_sizes, depth=depth, threads=None)
+    mine = profile_model(workload, microbatch_sizes, depth=depth, threads=None, deadline=deadline)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine.to_dict(), group=group)
     profiles = [Profile.from_dict(d) for d in gathered]
-    count = len(profiles)
+    sizes = sorted({size for p in profiles for size in p.stats})
 
     def mean(values: Sequence[float]) -> float:
-        return sum(values) / count
+        return sum(values) / len(values)
 
-    stats = {
-        size: tuple(
+    stats, loss, calibration = {}, {}, {}
+    for size in sizes:
+        having = [p for p in profiles if size in p.stats]
+        stats[size] = tuple(
             dataclasses.replace(
                 units[0],
                 forward=mean([u.forward for u in units]),
@@ -354,22 +265,19 @@ def profile_together(
                 backward_input=mean([u.backward_input for u in units]),
                 backward_weight=mean([u.backward_weight for u in units]),
             )
-            for units in zip(*(p.stats[size] for p in profiles), strict=True)
+            for units in zip(*(p.stats[size] for p in having), strict=True)
         )
-        for size in mine.stats
-    }
-    loss = {
-        size: (mean([p.loss[size][0] for p in profiles]), mean([p.loss[size][1] for p in profiles]))
-        for size in mine.loss
-    }
-    return dataclasses.replace(mine, stats=stats, loss=loss)
-
-
-def _fitted_profile(job: dict[str, Any], overheads: Overheads, link: Link) -> Profile:
-    workload = load_workload(job["spec"])
-    profile = profile_together(workload, job["sizes"], job["depth"])
-    profile = dataclasses.replace(profile, overheads=overheads, link=link)
-    return fit_to_run(workload, profile, job["batch_size"], job["counts"])
+        losses = [p.loss[size] for p in having]
+        loss[size] = (mean([f for f, _ in losses]), mean([b for _, b in losses]))
+        calibration[size] = having[0].calibration.get(size, (1.0, 1.0))
+    return dataclasses.replace(
+        mine,
+        stats=stats,
+        loss=loss,
+        calibration=calibration,
+        unmeasured_sizes=tuple(s for s in mine.unmeasured_sizes if s not in sizes),
+        budget_notes=tuple(dict.fromkeys(n for p in profiles for n in p.budget_notes)),
+    )
 
 
 def fit_to_run(
@@ -379,18 +287,27 @@ def fit_to_run(
     microbatch_counts: int | Sequence[int],
     group: dist.ProcessGroup | None = None,
     steps: int = 10,
+    deadline: float | None = None,
 ) -> Profile:
     """``profile`` fitted (``fit``) to ``steps`` traced steps of the model on the ranks of
     ``group``, in the default schedule, split as the planner would split it, once per
     micro-batch count: the first fits every size and the runtime's call costs, each further
-    one its own micro-batch size. Collective."""
+    one its own micro-batch size. Counts of sizes the profile has not measured are left out,
+    and past ``deadline`` (``time.monotonic``) the rest (in ``budget_notes``). Collective."""
     counts = [microbatch_counts] if isinstance(microbatch_counts, int) else list(microbatch_counts)
-    fitted = profile
-    for index, m in enumerate(counts):
+    counts = [m for m in counts if round(batch_size / m) not in profile.unmeasured_sizes]
+    fitted, done = profile, list[int]()
+    for m in counts:
+        if not ranks_in_time(deadline, group):
+            break
         measured, predicted = _traced_and_predicted(workload, fitted, batch_size, m, group, steps)
         size = round(batch_size / m)
-        fitted = fit(fitted, measured, predicted, None if index == 0 else size)
-    return fitted
+        fitted = fit(fitted, measured, predicted, size if done else None)
+        done.append(m)
+    if len(done) == len(counts):
+        return fitted
+    note = f"fitted to traced runs of {done} micro-batches only" if done else "not fitted to a run"
+    return dataclasses.replace(fitted, budget_notes=(*fitted.budget_notes, note))
 
 
 def _traced_and_predicted(
@@ -429,33 +346,14 @@ def _traced_and_predicted(
     return measured, predicted.timeline
 
 
-def measured_profile(
-    workload: Workload,
-    num_ranks: int,
-    batch_size: int,
-    microbatches: Sequence[int] | None = None,
-    schedules: Sequence[str] | None = None,
-    spec: str | None = None,
-) -> Profile:
-    """The profile ``plan`` would measure, plus the runtime's overheads and the link between
-    two ranks started on this machine; with ``spec`` (the workload's example name or import
-    path) the profile is made on those two ranks and fitted to a traced run
-    (``profile_local``)."""
-    names = list(SCHEDULES) if schedules is None else list(schedules)
-    counts = microbatch_counts(batch_size, num_ranks, names, microbatches)
-    max_virtual = max(spec_of(n).virtual_stages for n in names)
-    depth = unit_depth(workload.model, num_ranks * max_virtual)
-    if spec is not None:
-        return profile_local(
-            spec,
-            microbatch_sizes(batch_size, counts),
-            depth,
-            batch_size,
-            [m for m in counts if batch_size % m == 0],
-        )
-    profile = profile_model(workload, microbatch_sizes(batch_size, counts), depth=depth)
-    profile.overheads, profile.link = measure_local()
-    return profile
+def ranks_in_time(deadline: float | None, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every rank of ``group`` is still before its ``deadline``: collective, so that
+    all ranks go on to the next collective piece of work, or none does."""
+    if deadline is None:
+        return True
+    late = torch.tensor([1 if passed(deadline) else 0])
+    dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
+    return not bool(late.item())
 
 
 def _need_two(group: dist.ProcessGroup | None) -> None:

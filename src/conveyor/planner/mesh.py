@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conveyor.planner.budget import DEFAULT_TIME_BUDGET_S, Budget
 from conveyor.planner.cost import Replicas
 from conveyor.planner.profile import Link, Profile, Workload, profile_model
-from conveyor.planner.report import Plan, PlanReport
-from conveyor.planner.search import microbatch_counts, microbatch_sizes, plan, unit_depth
+from conveyor.planner.report import RAISE_BUDGET, Plan, PlanReport
+from conveyor.planner.search import (
+    microbatch_counts,
+    microbatch_sizes,
+    plan,
+    search_seconds,
+    unit_depth,
+)
 from conveyor.schedule import SCHEDULES, spec_of
 
 __all__ = ["MeshPlan", "MeshReport", "plan_mesh"]
@@ -50,10 +57,18 @@ class MeshPlan:
         best = self.best
         return 0.0 if best is None else self.dp * best.samples_per_s
 
+    @property
+    def is_reduction_measured(self) -> bool:
+        """Whether the replicas' gradient reductions were costed over a measured link (they
+        are free in the prediction otherwise)."""
+        replicas = self.report.replicas
+        return self.dp == 1 or (replicas is not None and replicas.link is not None)
+
     def reduction_s(self) -> float:
-        """Seconds per step the busiest rank spends reducing gradients over the replicas."""
+        """Seconds per step the busiest rank spends reducing gradients over the replicas
+        (0 when not measured: see ``is_reduction_measured``)."""
         best, replicas = self.best, self.report.replicas
-        if best is None or replicas is None:
+        if best is None or replicas is None or not self.is_reduction_measured:
             return 0.0
         profile = self.report.profile
         per_rank = [0.0] * self.pp
@@ -68,13 +83,21 @@ class MeshPlan:
         if best is None:
             need = min(max(p.total_memory) for p in self.report.plans)
             return f"dp={self.dp} x pp={self.pp}: nothing fits (needs {need / 2**20:.1f} MiB/rank)"
+        if self.dp == 1:
+            reduction = "no gradient reduction (one replica)"
+        elif self.is_reduction_measured:
+            reduction = f"gradient reduction {self.reduction_s() * 1e3:.2f} ms/step"
+        else:
+            reduction = (
+                "gradient reduction not measured (no link between ranks: --no-link, or a "
+                "profile without one), counted as free"
+            )
         return (
             f"dp={self.dp} x pp={self.pp}: {best.schedule}, {best.num_microbatches} "
             f"micro-batches of {best.batch_size / best.num_microbatches:g}, stages "
             f"{list(best.balance)}: {best.step_time * 1e3:.2f} ms/step, "
             f"{self.samples_per_s:.1f} samples/s (bubble {best.bubble_fraction:.0%}, "
-            f"gradient reduction {self.reduction_s() * 1e3:.2f} ms/step, "
-            f"{max(best.total_memory) / 2**20:.1f} MiB/rank)"
+            f"{reduction}, {max(best.total_memory) / 2**20:.1f} MiB/rank)"
         )
 
 
@@ -116,7 +139,21 @@ class MeshReport:
             slower = best.samples_per_s / other.samples_per_s - 1 if other.samples_per_s else 0
             lines.append(f"  not {other.describe()}: {slower:.0%} slower")
         lines += [f"  skipped {note}" for note in self.skipped]
-        return "\n".join(lines)
+        return "\n".join(lines + self._unexplored())
+
+    def _unexplored(self) -> list[str]:
+        """What the time budget left out: the profile once, then each layout's search."""
+        cut = [m for m in self.layouts if m.report.coverage and m.report.unexplored]
+        if not cut:
+            return []
+        lines = [f"  not everything was explored within the time budget ({RAISE_BUDGET}):"]
+        lines += [f"    profile: {note}" for note in cut[0].report.profile.budget_notes]
+        for m in cut:
+            assert m.report.coverage is not None
+            text = m.report.coverage.describe(head=False, profile=False)
+            if text:
+                lines.append(f"    dp={m.dp} x pp={m.pp}: {text}")
+        return lines
 
     def write(self, path: str | Path) -> Path:
         """The best layout's plan file (its PipelineConfig fields include dp)."""
@@ -132,7 +169,7 @@ class MeshReport:
                     "pp": m.pp,
                     "samples_per_s": m.samples_per_s,
                     "step_time_s": None if m.best is None else m.best.step_time,
-                    "reduction_s": m.reduction_s(),
+                    "reduction_s": m.reduction_s() if m.is_reduction_measured else None,
                 }
                 for m in self.layouts
             ],
@@ -150,20 +187,23 @@ def plan_mesh(
     fsdp: bool = False,
     schedules: Sequence[str] | None = None,
     microbatches: Sequence[int] | None = None,
+    time_budget_s: float | Budget | None = DEFAULT_TIME_BUDGET_S,
     **options: Any,
 ) -> MeshReport:
     """Search dp x pp layouts of ``world_size`` ranks for a global batch of ``batch_size``.
 
-    ``options`` go to ``conveyor.planner.plan`` (objectives, checkpointing, keep,
-    time_budget_s). The profile is measured once for every layout's micro-batch sizes unless
-    given. Reductions cost what a ring over ``reduce_link`` costs
-    (``conveyor.planner.measure_allreduce``); without one, over the profile's point-to-point
-    link (which overestimates gloo's all-reduce: docs/benchmarks.md), and with neither, they
-    are free.
+    ``options`` go to ``conveyor.planner.plan`` (objectives, checkpointing, keep). The
+    profile is measured once for every layout's micro-batch sizes unless given. Reductions
+    cost what a ring over ``reduce_link`` costs (``conveyor.planner.measure_allreduce``);
+    without one, over the profile's all-reduce link, else its point-to-point link (which
+    overestimates gloo's all-reduce: docs/benchmarks.md), and with none, they are free
+    (``MeshPlan.is_reduction_measured``). ``time_budget_s`` bounds the whole call: profiling
+    stops at its ``profile_deadline``, and each layout gets an equal part of what is left.
 
     Raises:
         ValueError: ``world_size`` below 1.
     """
+    budget = Budget.of(time_budget_s)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     names = list(SCHEDULES) if schedules is None else list(schedules)
@@ -175,14 +215,22 @@ def plan_mesh(
         if (dp, pp) not in even
     ]
     if profile is None:
-        profile = _profile_once(workload, even, batch_size, names, microbatches)
+        guess = sum(
+            search_seconds(pp, names, microbatch_counts(batch_size // dp, pp, names, microbatches))
+            for dp, pp in even
+        )
+        profile = _profile_once(
+            workload, even, batch_size, names, microbatches, budget.profile_deadline(guess)
+        )
     found = []
-    for dp, pp in even:
-        replicas = Replicas(dp, reduce_link or profile.link, fsdp)
+    for index, (dp, pp) in enumerate(even):
+        logger.info("planning dp=%d x pp=%d (%d of %d layouts)", dp, pp, index + 1, len(even))
+        replicas = Replicas(dp, reduce_link or profile.reduce_link or profile.link, fsdp)
         try:
             report = plan(
                 workload, pp, memory_budget, batch_size // dp, profile=profile,
-                schedules=names, microbatches=microbatches, replicas=replicas, **options,
+                schedules=names, microbatches=microbatches, replicas=replicas,
+                time_budget_s=budget.part(len(even) - index), **options,
             )  # fmt: skip
         except ValueError as error:  # too many stages for the model, ...
             skipped.append(f"dp={dp} x pp={pp}: {str(error).splitlines()[0]}")
@@ -199,14 +247,15 @@ def _profile_once(
     batch_size: int,
     names: list[str],
     microbatches: Sequence[int] | None,
+    deadline: float | None,
 ) -> Profile:
     """One profile for every layout: the micro-batch sizes any of them may use."""
     if workload is None:
         raise ValueError("plan_mesh needs a workload to profile or a profile")
-    sizes: set[int] = set()
+    sizes: list[int] = []  # the first layout's preferred size first (see microbatch_counts)
     for dp, pp in layouts:
         counts = microbatch_counts(batch_size // dp, pp, names, microbatches)
-        sizes.update(microbatch_sizes(batch_size // dp, counts))
+        sizes += microbatch_sizes(batch_size // dp, counts)
     deepest = max(pp for _, pp in layouts) * max(spec_of(n).virtual_stages for n in names)
     depth = unit_depth(workload.model, deepest)
-    return profile_model(workload, sorted(sizes), depth=depth)
+    return profile_model(workload, list(dict.fromkeys(sizes)), depth=depth, deadline=deadline)

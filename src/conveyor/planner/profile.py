@@ -31,6 +31,7 @@ import torch
 from torch import fx, nn
 
 from conveyor.files import write_atomic
+from conveyor.planner.budget import passed
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.split.inputs import bind_inputs
@@ -190,6 +191,15 @@ class Profile:
     """Per micro-batch size: how much longer the whole model's forward and backward took, run
     in sequence, than the sum of its units measured alone (applied to ``stats`` already)."""
     environment: dict[str, Any] = field(default_factory=dict)
+    unmeasured_sizes: tuple[int, ...] = ()
+    """Micro-batch sizes asked for but not measured: the time budget ran out first. The
+    planner does not search the micro-batch counts that would run them."""
+    budget_notes: tuple[str, ...] = ()
+    """What else the time budget left out (passes, precision, calibration), one note each;
+    empty when the measurement was complete."""
+    reduce_link: Link | None = None
+    """The link a ring all-reduce sees between two ranks (``calibrate.measure_allreduce``),
+    for gradient reductions over data-parallel replicas; None until measured."""
 
     @property
     def num_units(self) -> int:
@@ -261,11 +271,14 @@ class Profile:
             "input_bytes_per_sample": self.input_bytes_per_sample,
             "model_input_bytes": list(self.model_input_bytes),
             "overheads": dataclasses.asdict(self.overheads),
-            "link": None if self.link is None else dataclasses.asdict(self.link),
+            "link": _link_dict(self.link),
             "optimizer_state_per_param": self.optimizer_state_per_param,
             "depth": self.depth,
             "calibration": {str(k): list(v) for k, v in self.calibration.items()},
             "environment": self.environment,
+            "unmeasured_sizes": list(self.unmeasured_sizes),
+            "budget_notes": list(self.budget_notes),
+            "reduce_link": _link_dict(self.reduce_link),
         }
 
     @classmethod
@@ -291,6 +304,9 @@ class Profile:
                 int(k): (float(v[0]), float(v[1])) for k, v in data.get("calibration", {}).items()
             },
             environment=dict(data.get("environment", {})),
+            unmeasured_sizes=tuple(int(s) for s in data.get("unmeasured_sizes", ())),
+            budget_notes=tuple(str(n) for n in data.get("budget_notes", ())),
+            reduce_link=None if data.get("reduce_link") is None else Link(**data["reduce_link"]),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -307,6 +323,10 @@ class Profile:
                 f"{str(path)!r} is not a conveyor profile ({error!r}); write one "
                 "with `conveyor plan ... --save-profile FILE`"
             ) from error
+
+
+def _link_dict(link: Link | None) -> dict[str, float] | None:
+    return None if link is None else dataclasses.asdict(link)
 
 
 def _bracket(sizes: list[int], value: float) -> tuple[int, int]:
@@ -451,6 +471,7 @@ def profile_model(
     min_time_s: float = 0.02,
     min_repeats: int = 5,
     passes: int = 3,
+    deadline: float | None = None,
 ) -> Profile:
     """Measure every unit's forward, backward (input and weight parts), saved and output bytes
     at each micro-batch size, in this process (no peers needed).
@@ -463,6 +484,11 @@ def profile_model(
         passes: every unit is measured in this many passes over the model, and the median
             of the passes is kept, so that a burst of other work on the machine spoils one
             pass of one unit rather than all of its measurement.
+        deadline: ``time.monotonic()`` to stop by (None: measure everything). Sizes are
+            measured in the order given, each size's first pass before any second pass;
+            what the deadline cuts is listed in the profile's ``unmeasured_sizes`` and
+            ``budget_notes``. The first pass at the first size is always finished, past the
+            deadline with each unit timed quickly (See Note [planning budget]).
 
     Measures with freed host memory kept for reuse, as a Pipeline runs by default
     (``conveyor.runtime.host_memory``; process-wide).
@@ -471,55 +497,144 @@ def profile_model(
         raise ValueError(
             f"microbatch_sizes must be positive sample counts, got {list(microbatch_sizes)}"
         )
+    order = list(dict.fromkeys(microbatch_sizes))
     keep_freed_memory()
     model = workload.model
     graph, nodes, units = trace_units(model, depth)
+    rounds: dict[int, list[_Round]] = {size: [] for size in order}
+    batches: dict[int, tuple[Any, Any]] = {}
+    measure = _Timer(min_time_s / max(passes, 1), min_repeats)
+    began = time.monotonic()
+    logger.info(
+        "profiling %s: %d units at micro-batch sizes %s, %d passes%s",
+        workload.name,
+        len(nodes),
+        order,
+        max(passes, 1),
+        "" if deadline is None else f" (for up to {max(0.0, deadline - began):.0f} s)",
+    )
+    with _threads(threads), untouched(model):
+        model.train()
+        for pass_index in range(max(passes, 1)):
+            for size in order:
+                is_least = pass_index == 0 and size == order[0]  # a plan needs this one
+                if not is_least and passed(deadline):
+                    break
+                if size not in batches:
+                    batches[size] = workload.batch(size)
+                logger.debug(
+                    "profiling %s: pass %d at micro-batch size %d", workload.name, pass_index, size
+                )
+                done = _one_pass(workload, graph, nodes, batches[size], measure, deadline, is_least)
+                if done is not None:
+                    rounds[size].append(done)
+    profile = _from_rounds(workload, graph, units, rounds, batches, depth, threads)
+    notes = _cut_notes(order, rounds, max(passes, 1), len(nodes))
+    if notes:
+        logger.info(
+            "profiling %s stopped at its deadline after %.1f s: %s",
+            workload.name,
+            time.monotonic() - began,
+            "; ".join(notes),
+        )
+    return replace(
+        profile,
+        unmeasured_sizes=tuple(size for size in order if not rounds[size]),
+        budget_notes=tuple(notes),
+    )
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One pass over the units at one micro-batch size."""
+
+    alone: tuple[UnitStats, ...]
+    loss: tuple[float, float]
+    factors: tuple[float, float] | None
+    """Note [units in sequence]'s factors; None when the deadline left no time for them."""
+    quick_from: int | None = None
+    """The first unit timed quickly (3 runs), when the deadline passed during the pass."""
+
+
+def _one_pass(
+    workload: Workload,
+    graph: fx.Graph,
+    nodes: Sequence[fx.Node],
+    batch: tuple[Any, Any],
+    measure: _Timer,
+    deadline: float | None,
+    must_finish: bool,
+) -> _Round | None:
+    """Every unit, the loss and the model in sequence, at one size; None when the deadline
+    passes first, unless ``must_finish`` (then the rest is timed quickly)."""
+    model = workload.model
+    inputs, targets = batch
+    env = _capture(model, graph, inputs)
+    output = env[next(n for n in graph.nodes if n.op == "output").args[0]]
+    alone: list[UnitStats] = []
+    quick_from = None
+    for index, node in enumerate(nodes):
+        if quick_from is None and passed(deadline):
+            if not must_finish:
+                return None
+            # the median of 3 runs: a single run would carry any preemption whole
+            quick_from, measure = index, _Timer(0.0, 3)
+        # every unit is timed: layers alike in code and shapes may still differ in cost
+        alone.append(_unit_stats(model, node, env, measure))
+    if passed(deadline) and not must_finish:
+        return None
+    loss = _loss_times(workload.loss_fn, output, targets, measure)
+    factors = None
+    if not passed(deadline):
+        factors = _in_sequence(workload, inputs, targets, alone, loss, measure)
+    _zero_grads(model)
+    return _Round(tuple(alone), loss, factors, quick_from)
+
+
+def _from_rounds(
+    workload: Workload,
+    graph: fx.Graph,
+    units: tuple[Unit, ...],
+    rounds: dict[int, list[_Round]],
+    batches: dict[int, tuple[Any, Any]],
+    depth: int,
+    threads: int | None,
+) -> Profile:
+    """The profile of the sizes measured: medians over their passes, scaled by the factors."""
     stats: dict[int, tuple[UnitStats, ...]] = {}
     losses: dict[int, tuple[float, float]] = {}
     calibration: dict[int, tuple[float, float]] = {}
     per_sample = 0
     per_input: tuple[int, ...] = ()
-    with _threads(threads), untouched(model):
-        model.train()
-        for size in sorted(set(microbatch_sizes)):
-            inputs, targets = workload.batch(size)
-            env = _capture(model, graph, inputs)
-            measure = _Timer(min_time_s / max(passes, 1), min_repeats)
-            output = env[next(n for n in graph.nodes if n.op == "output").args[0]]
-            rounds = []
-            for _ in range(max(passes, 1)):
-                # every unit is timed: layers alike in code and shapes may still differ in cost
-                alone = tuple(_unit_stats(model, node, env, measure) for node in nodes)
-                loss = _loss_times(workload.loss_fn, output, targets, measure)
-                rounds.append(
-                    (alone, loss, _in_sequence(workload, inputs, targets, alone, loss, measure))
-                )
-            units_alone = tuple(_median_stats([r[0][u] for r in rounds]) for u in range(len(nodes)))
-            losses[size] = (
-                statistics.median(r[1][0] for r in rounds),
-                statistics.median(r[1][1] for r in rounds),
-            )
-            factors = (
-                statistics.median(r[2][0] for r in rounds),
-                statistics.median(r[2][1] for r in rounds),
-            )
-            calibration[size] = factors
-            stats[size] = tuple(_times_by(s, *factors) for s in units_alone)
-            bound = bind_inputs(model, inputs)
-            per_sample = _tree_bytes(bound) // size
-            per_input = tuple(
-                _tree_bytes(bound.get(str(n.target))) // size
-                for n in graph.nodes
-                if n.op == "placeholder"
-            )
-            _zero_grads(model)
-            logger.info(
-                "profiled %s at micro-batch size %d: forward %.2f ms, backward %.2f ms",
-                workload.name,
-                size,
-                1e3 * sum(s.forward for s in stats[size]),
-                1e3 * sum(s.backward for s in stats[size]),
-            )
+    for size in sorted(s for s, done in rounds.items() if done):
+        done = rounds[size]
+        alone = tuple(_median_stats([r.alone[u] for r in done]) for u in range(len(units)))
+        losses[size] = (
+            statistics.median(r.loss[0] for r in done),
+            statistics.median(r.loss[1] for r in done),
+        )
+        fitted = [r.factors for r in done if r.factors is not None]
+        factors = (
+            (statistics.median(f[0] for f in fitted), statistics.median(f[1] for f in fitted))
+            if fitted
+            else (1.0, 1.0)
+        )
+        calibration[size] = factors
+        stats[size] = tuple(_times_by(s, *factors) for s in alone)
+        bound = bind_inputs(workload.model, batches[size][0])
+        per_sample = _tree_bytes(bound) // size
+        per_input = tuple(
+            _tree_bytes(bound.get(str(n.target))) // size
+            for n in graph.nodes
+            if n.op == "placeholder"
+        )
+        logger.info(
+            "profiled %s at micro-batch size %d: forward %.2f ms, backward %.2f ms",
+            workload.name,
+            size,
+            1e3 * sum(s.forward for s in stats[size]),
+            1e3 * sum(s.backward for s in stats[size]),
+        )
     return Profile(
         workload.name,
         units,
@@ -531,6 +646,35 @@ def profile_model(
         calibration=calibration,
         environment=_environment(threads if threads is not None else torch.get_num_threads()),
     )
+
+
+def _units(first: int, num_units: int) -> str:
+    """'units 3-6 of 6' (``first`` counted from 0), or 'unit 6 of 6'."""
+    if first == num_units - 1:
+        return f"unit {num_units} of {num_units}"
+    return f"units {first + 1}-{num_units} of {num_units}"
+
+
+def _cut_notes(
+    order: list[int], rounds: dict[int, list[_Round]], passes: int, num_units: int
+) -> list[str]:
+    """What the deadline left out of a profile, one note each."""
+    notes = []
+    missing = [size for size in order if not rounds[size]]
+    if missing:
+        notes.append(f"micro-batch sizes {missing} not profiled")
+    for size in order:
+        if 0 < len(rounds[size]) < passes:
+            notes.append(f"{len(rounds[size])} of {passes} passes at micro-batch size {size}")
+        notes += [
+            f"{_units(r.quick_from, num_units)} at micro-batch size {size} timed quickly "
+            "(median of 3 runs)"
+            for r in rounds[size]
+            if r.quick_from is not None
+        ]
+        if rounds[size] and all(r.factors is None for r in rounds[size]):
+            notes.append(f"micro-batch size {size} not calibrated in sequence")
+    return notes
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from conveyor.planner.cost import Replicas, layout
 from conveyor.planner.profile import Profile
 from conveyor.runtime.recompute import RecomputeMode
 
-__all__ = ["Objective", "Plan", "PlanReport", "stage_graph_for"]
+__all__ = ["RAISE_BUDGET", "Coverage", "Objective", "Plan", "PlanReport", "stage_graph_for"]
 
 Objective = Literal["time", "memory", "both", "even"]
 """What a split balances: stage time, stage memory, both (relative to even shares), or an
@@ -55,6 +55,96 @@ class Plan:
         return tuple(len(units) for units in self.stage_units)
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """What a plan's search covered within its time budget (See Note [planning budget])."""
+
+    budget_s: float | None
+    elapsed_s: float
+    """Seconds the whole call took."""
+    schedules: tuple[str, ...]
+    """Schedules asked for."""
+    microbatches: tuple[int, ...]
+    """Micro-batch counts asked for."""
+    tried: tuple[tuple[str, int], ...] = ()
+    """(schedule, micro-batch count) pairs whose candidates were made, or found impossible."""
+    untried: int = 0
+    """Pairs not tried for lack of time (per cut order of a graph model)."""
+    unprofiled: tuple[int, ...] = ()
+    """Micro-batch counts not searched: the profile has not measured their size."""
+    unsimulated: int = 0
+    """Candidates not simulated for lack of time (those pruned by their bound not counted)."""
+    profile_notes: tuple[str, ...] = ()
+    """What the budget cut from the profile (``Profile.budget_notes``)."""
+    default_only: bool = False
+    """Measuring used the whole budget: the default configuration, unsearched."""
+
+    @property
+    def is_complete(self) -> bool:
+        return not (
+            self.untried
+            or self.unprofiled
+            or self.unsimulated
+            or self.profile_notes
+            or self.default_only
+        )
+
+    def describe(self, separator: str = "; ", *, head: bool = True, profile: bool = True) -> str:
+        """What was not explored, parts joined by ``separator``; '' when everything was.
+
+        Args:
+            head: start with the budget and how to raise it.
+            profile: include the profile's notes (a mesh's layouts share them).
+        """
+        if self.is_complete:
+            return ""
+        names = list(dict.fromkeys(name for name, _ in self.tried))
+        counts = sorted({m for _, m in self.tried})
+        pairs = len(self.schedules) * len(self.microbatches)
+        if self.default_only:
+            parts = [
+                f"measuring used the whole budget: returned the default ({', '.join(names)}, "
+                f"{_count(counts[0], 'micro-batch')}, an even split) unsearched"
+            ]
+        elif self.untried or self.unsimulated:
+            parts = [
+                f"searched {len(names)} of {len(self.schedules)} schedules "
+                f"({', '.join(names)}), micro-batch counts {_braces(counts)} of "
+                f"{_braces(self.microbatches)}"
+            ]
+        else:
+            parts = []
+        if self.untried:
+            parts.append(f"{self.untried} of {pairs} schedule x micro-batch pairs not tried")
+        if self.unprofiled:
+            parts.append(f"micro-batch counts {_braces(self.unprofiled)} not profiled")
+        if self.unsimulated:
+            parts.append(f"{_count(self.unsimulated, 'candidate')} not simulated")
+        if profile:
+            parts += [f"profile: {note}" for note in self.profile_notes]
+        if head and self.budget_s is not None:  # else only the profile was cut, by its own
+            parts.insert(
+                0,
+                f"cut short by the {self.budget_s:.3g} s time budget (took "
+                f"{self.elapsed_s:.1f} s; {RAISE_BUDGET})",
+            )
+        return separator.join(parts)
+
+
+RAISE_BUDGET = (
+    "pass a larger time_budget_s, conveyor plan --time-budget, or None to search everything"
+)
+"""How to search more than a time budget allowed."""
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('h') else 's'}"
+
+
+def _braces(values: Sequence[int]) -> str:
+    return "{" + ", ".join(map(str, sorted(values))) + "}"
+
+
 @dataclass
 class PlanReport:
     """The plans the search simulated, fastest first (plans that fit before those that don't)."""
@@ -73,6 +163,13 @@ class PlanReport:
     """Candidates not simulated: their lower bound could not make the top plans."""
     replicas: Replicas | None = None
     """Data-parallel replicas of each pipeline (``batch_size`` is one replica's share)."""
+    coverage: Coverage | None = None
+    """What the search explored within its time budget."""
+
+    @property
+    def unexplored(self) -> str:
+        """What the time budget left out ('' when everything was searched)."""
+        return "" if self.coverage is None else self.coverage.describe()
 
     @property
     def best(self) -> Plan:
@@ -90,6 +187,7 @@ class PlanReport:
             f"({smallest.schedule}, {smallest.num_microbatches} micro-batches, "
             f"checkpointing {_modes(smallest.checkpoint)}); raise the budget, add ranks or "
             "use a smaller batch"
+            + (f" (not everything was searched: {self.unexplored})" if self.unexplored else "")
         )
 
     def pipeline_config(self, chosen: Plan | None = None) -> dict[str, Any]:
