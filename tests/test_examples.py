@@ -40,6 +40,7 @@ def test_examples_are_found() -> None:
     assert {"unet.py", "multimodal.py", "dlrm.py", "dag_split.py"} <= names
     assert command(ROOT / "examples" / "unet.py")[3:6] == ["run", "-n", "4"]
     assert command(ROOT / "examples" / "dag_split.py")[1:] == [str(ROOT / "examples/dag_split.py")]
+    assert command(ROOT / "examples" / "refurbish.py")[3:6] == ["run", "-n", "2"]
 
 
 @pytest.mark.dist

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,8 +33,10 @@ class Refurbish:
         for inputs, targets in loader.forever(): ...
 
     ``partial`` (the expensive part: decode, resize, random crop) runs once per sample per
-    ``reuse`` uses, in ``num_workers`` worker processes that compute ahead into a cache of at
-    most ``cache_bytes``; ``final`` (per sample) and ``batch_final`` (on the collated batch:
+    ``reuse`` uses, in ``num_workers`` worker processes (forked where the platform can;
+    ``start_method`` otherwise) that compute ahead into a cache of at most ``cache_bytes``
+    (``window`` batches of reuses, half the cache by default; ``prefetch_factor`` samples per
+    worker in flight besides); ``final`` (per sample) and ``batch_final`` (on the collated batch:
     flip, colour jitter, normalize, cutout) run on every use, in this process. The uses of a
     sample land in different batches (See Note [reuse windows]). An epoch has ``reuse`` times
     the batches of ResumableLoader's; with ``reuse=1`` it is ResumableLoader's epoch, batch for
@@ -265,6 +268,9 @@ class Refurbish:
                 start_method=self.start_method,
                 generator_seed=_seed("workers", self.seed, epoch, start),
             )
+            # a loader dropped without close() stops its workers too (not at exit: they die
+            # with this process, and joining the thread could delay the exit)
+            weakref.finalize(self, self._feeder.close).atexit = False
             for replayed in range(start, batch_index):
                 self._batch(self._feeder, epoch, replayed)
             self._feeder_at = (epoch, batch_index)

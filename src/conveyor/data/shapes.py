@@ -74,7 +74,7 @@ def render_shape(label: int, image_size: int, seed: int, quality: int = 90) -> b
 
     random = numpy.random.default_rng(seed)
     background = random.integers(0, 256, size=3)
-    noise = random.normal(0.0, 24.0, size=(image_size, image_size, 3))
+    noise = random.normal(0.0, 16.0, size=(image_size, image_size, 3))
     pixels = numpy.clip(background + noise, 0, 255).astype(numpy.uint8)
     image = Image.fromarray(pixels, "RGB")
     draw = ImageDraw.Draw(image)
@@ -83,7 +83,10 @@ def render_shape(label: int, image_size: int, seed: int, quality: int = 90) -> b
         draw.line(ends, fill=_colour(random), width=int(random.integers(1, 3)))
     radius = random.uniform(0.18, 0.32) * image_size
     centre = random.uniform(radius + 2, image_size - radius - 2, size=2)
-    _draw(draw, SHAPES[label], (float(centre[0]), float(centre[1])), radius, random)
+    # each channel 80 to 175 levels away from the background's (modulo 256): always visible
+    colour = (background + random.integers(80, 176, size=3)) % 256
+    fill = (int(colour[0]), int(colour[1]), int(colour[2]))
+    _draw(draw, SHAPES[label], (float(centre[0]), float(centre[1])), radius, fill, random)
     buffer = io.BytesIO()
     image.save(buffer, "JPEG", quality=quality)
     return buffer.getvalue()
@@ -99,9 +102,9 @@ def _draw(
     shape: str,
     centre: tuple[float, float],
     radius: float,
+    colour: tuple[int, int, int],
     random: numpy.random.Generator,
 ) -> None:
-    colour = _colour(random)
     angle = float(random.uniform(0.0, 360.0))
     x, y = centre
     if shape == "circle":
