@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks it works")
     parser.add_argument("--reuses", default="1,2,3,4")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=16000, help="training samples a run")
+    parser.add_argument("--samples", type=int, default=19200, help="training samples a run")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=10, help="steps before timing")
     parser.add_argument("--workers", type=int, default=1, help="decoding processes, rank 0")

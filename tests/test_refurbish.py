@@ -4,10 +4,12 @@ augmentation per use, bounded cache, worker processes, exact resume, replicas, e
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,6 +153,14 @@ def test_echo_reuses_the_finished_sample_and_refurbish_does_not() -> None:
             assert all(torch.equal(values[0], v) for v in values[1:])  # identical reuses
             assert torch.equal(values[0], finished[False][index][0])  # the same first use
             assert not torch.equal(finished[False][index][0], finished[False][index][1])
+
+
+def test_augmenting_leaves_the_global_generators_alone() -> None:
+    states = (torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy())
+    loader = Refurbish(_data(), 4, partial=_noisy, final=_jitter, batch_final=_shift, reuse=2)
+    _take(loader, 25)
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert (numpy.random.get_state()[1] == states[2]).all()
 
 
 def test_the_cache_holds_at_most_cache_bytes() -> None:
