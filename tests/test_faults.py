@@ -27,9 +27,10 @@ from torch import nn
 
 import conveyor
 from conveyor.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, verify
+from conveyor.cli.launch import failure_summary
 from conveyor.models import gpt_loss
 from conveyor.runtime import faults
-from conveyor.runtime.peers import PeerLostError
+from conveyor.runtime.peers import Failure, PeerLostError
 from dist import run_ranks
 from test_checkpoint import Run, assert_same, tied_gpt, windows
 
@@ -67,6 +68,20 @@ def test_a_fault_fires_once_at_its_rank_step_and_attempt(monkeypatch: pytest.Mon
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(OSError):
         faults.fire("forward", step=0, rank=0)
+
+
+def test_a_failure_record_places_its_ranks_and_the_summary_blames_the_lost_one() -> None:
+    """On a mesh a record keeps where its ranks sit; the summary names the rank lost (which
+    never exits when stopped), not the first rank torchrun saw exit."""
+    places = ((3, "replica 1, stage 1"), (0, "replica 0, stage 0"))
+    failure = Failure(3, 0, "reducing stage 1's gradients", "Timed out", places)
+    assert Failure.from_json(failure.to_json()) == failure
+    assert Failure.from_json('{"rank": 1, "lost": 0, "doing": "x", "cause": "y"}').places == ()
+    assert failure_summary("rank 1 (local rank 1)", 1, "exit code 1", failure) == (
+        "rank 0 (replica 0, stage 0) failed first: rank 3 (replica 1, stage 1) lost rank 0 "
+        "(replica 0, stage 0) while reducing stage 1's gradients; rank 1 (local rank 1) exited "
+        "first: exit code 1"
+    )
 
 
 def test_a_kill_fault_kills_the_process_with_sigkill() -> None:
@@ -292,8 +307,8 @@ def test_lost_peer_fails_every_rank_naming_it(tmp_path: Path) -> None:
         assert "Connection" in report, "the backend saw the peer go; no timeout was needed"
     reports = _lose(tmp_path, lost=2)  # the last rank: rank 0 only sees rank 1 go
     assert reports[1][0] == 1 and "rank 1: lost rank 2 while" in reports[1][1]
-    assert reports[0][0] == 1 and "rank 0: lost rank 1 while" in reports[0][1]
-    assert "Rank 1 reported losing rank 2 first." in reports[0][1]
+    assert reports[0][0] == 1 and "rank 0: lost rank 2 while" in reports[0][1]
+    assert re.search(r": rank 1 lost rank 2 while .* first, and rank 1 went down", reports[0][1])
 
 
 # -- a stopped peer (SIGSTOP: alive, connections open, silent) costs timeout_s, named -------
@@ -429,21 +444,21 @@ def _stop(tmp_path: Path, scenario: str) -> dict[str, Any]:
 def test_a_stopped_peer_costs_the_timeout_and_is_named(tmp_path: Path) -> None:
     """The peer is alive with its connections open, so no backend error comes: only the
     timeouts (the pipeline's 3 s, for the tie's messages and the checkpoint's group) end the wait,
-    and the heartbeat names the rank that stopped."""
+    and the heartbeat names the rank that stopped (tests/test_stopped_peer.py times every case)."""
     tied = _stop(tmp_path, "tied")
     assert (
         "rank 0: lost rank 1 while receiving" in tied["message"]
         and "Rank 1 has likely crashed, been killed or stopped" in tied["message"]
     ), tied
-    assert tied["seconds"] < 3.0 + 6.0, tied
+    assert tied["seconds"] <= 3.0 + 5.0, tied
     save = _stop(tmp_path, "save")
     assert save["timeout"] == 3.0
-    assert re.search(
-        r"CheckpointError: checkpoint \S+: saving step 2 failed: rank 0: lost rank 1 while "
-        r"\w+ step 2 \(waited at most 3s\): its heartbeat stopped",
+    assert re.search(  # the save finds it, or the wait for the save watching the heartbeats
+        r"(Error: checkpoint \S+: saving step 2 failed: |PeerLostError: )rank 0: lost rank 1 "
+        r"while \w+ step 2 \((waited at most|silent for) 3s\): its heartbeat stopped",
         save["message"],
     ), save
-    assert save["seconds"] < 3.0 + 6.0, save
+    assert save["seconds"] <= 3.0 + 5.0, save
 
 
 # -- a rank whose step raised and that stays alive tells its peers at once ------------------

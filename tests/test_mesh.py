@@ -90,7 +90,8 @@ def _lost_replica(rank: int, world_size: int) -> None:
         os._exit(0)  # the replica dies before the step
     started = time.monotonic()
     x = torch.randn(4, 4)
-    with pytest.raises(conveyor.PeerLostError, match=r"rank 0: lost a replica .* ranks \[1\]"):
+    lost = r"rank 0 \(replica 0, stage 0\): lost rank 1 \(replica 1, stage 0\) while comparing"
+    with pytest.raises(conveyor.PeerLostError, match=lost):
         pipe.step(x, x)
     assert time.monotonic() - started < 15
 
@@ -101,9 +102,11 @@ def test_a_lost_replica_is_named_within_the_timeout(tmp_path: Path) -> None:
 
 
 def test_a_replicas_own_error_is_not_told_as_a_lost_peer() -> None:
-    from conveyor.parallel.data_parallel import _about_a_peer
+    from conveyor.runtime.peers import about_a_peer
 
-    assert not _about_a_peer(RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo"))
+    assert not about_a_peer(RuntimeError("Cannot use ReduceOp.PREMUL_SUM with Gloo"))
     gone = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
-    assert _about_a_peer(RuntimeError(gone))
-    assert _about_a_peer(RuntimeError("Timed out waiting 5000ms for recv operation"))
+    assert about_a_peer(RuntimeError(gone))
+    assert about_a_peer(RuntimeError("Timed out waiting 5000ms for recv operation"))
+    assert about_a_peer(RuntimeError(gone), backend_only=True)
+    assert not about_a_peer(RuntimeError("request timed out"), backend_only=True)  # a user's

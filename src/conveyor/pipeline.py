@@ -193,6 +193,8 @@ class Pipeline:
         p2p = self._p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self.peers = p2p.peers
         """Names lost peers in errors (conveyor.runtime.peers); the Checkpointer uses it too."""
+        if self.mesh is not None:  # messages place ranks by stage: See Note [rank names]
+            self.mesh.stages_on = self.graph.stages_on
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, p2p)
         """Parameters shared by stages on several ranks; See Note [tied weights]."""
         self.ties.equalize()
@@ -444,7 +446,10 @@ class Pipeline:
             loss = torch.stack([state.losses[k] for k in sorted(state.losses)]).sum().detach()
             if self.data_parallel is not None:
                 loss = self.data_parallel.replica_loss(self.config.loss_reduction, loss)
-        return share_loss(self, loss) if self.config.broadcast_loss else loss
+        if not self.config.broadcast_loss:
+            return loss
+        with self._abandoning(f"step {self.step_index - 1}"):  # names a peer lost meanwhile
+            return share_loss(self, loss)
 
     def _check_loss(self, targets: Any) -> None:
         """A loss_fn with targets, or no loss_fn and labels for the model's own loss."""

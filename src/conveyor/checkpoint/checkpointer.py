@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import logging
 import os
@@ -57,7 +60,7 @@ from conveyor.checkpoint.writer import Writer
 from conveyor.config import CHECKPOINT_DIR_ENV, CheckpointConfig
 from conveyor.pipeline import Pipeline
 from conveyor.runtime import faults
-from conveyor.runtime.peers import PeerLostError
+from conveyor.runtime.peers import PeerLostError, close_group, remaining
 
 __all__ = ["Checkpointer", "SaveRecord"]
 
@@ -164,6 +167,8 @@ class Checkpointer:
             use_local_synchronization=alone,
             timeout=self.timeout,
         )
+        # a lost peer ends the waits of a save in flight at once; See Note [one deadline]
+        pipe.peers.close_with(functools.partial(close_group, self._group), on_abandon=False)
         self._ranks = dist.get_process_group_ranks(self._group)
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
@@ -250,9 +255,25 @@ class Checkpointer:
 
         Raises:
             CheckpointError: the save failed; earlier checkpoints are untouched.
+            PeerLostError: a rank stopped answering (a CheckpointError too if the save found
+                it first): within the timeout of its silence, not of the save's last wait.
         """
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        if pending is None:
+            return None
+
+        def done(seconds: float) -> bool:
+            concurrent.futures.wait([pending], timeout=seconds)
+            return pending.done()
+
+        doing = f"saving step {self.saves[-1].step}"
+        try:  # See Note [one deadline]
+            self.pipe.peers.watching(done, self._ranks, doing, self.timeout)
+        except PeerLostError:  # its groups are closed: the save's waits end at once
+            with contextlib.suppress(Exception):
+                pending.result(remaining(self.timeout).total_seconds())
+            raise
+        return pending.result()
 
     def close(self) -> None:
         """Wait for the last save and release the background thread; idempotent."""
@@ -320,12 +341,12 @@ class Checkpointer:
                 save_state(job.state, storage_writer=job.writer, process_group=self._group)
         except (Exception, CheckpointException) as error:
             self._discard(job)
-            raise CheckpointError(
+            cause, lost = self._describe(error, f"saving step {job.step}")
+            raise _save_error(
                 job.temporary,
-                None,
-                f"saving step {job.step} failed: "
-                f"{self._describe(error, f'saving step {job.step}')}; the checkpoint was not "
-                f"published and earlier ones in {self.directory} are untouched",
+                f"saving step {job.step} failed: {cause}; the checkpoint was not published and "
+                f"earlier ones in {self.directory} are untouched",
+                lost,
             ) from None
         faults.fire("checkpoint.after_metadata", step=job.step)
         reports: list[Any] = [None] * self.world_size if self.is_coordinator else []
@@ -345,12 +366,11 @@ class Checkpointer:
             self._discard(job)
             raise
         except RuntimeError as error:  # the backend's error for a rank that went away
-            doing = f"publishing step {job.step}"
-            raise CheckpointError(
+            cause, lost = self._describe(error, f"publishing step {job.step}")
+            raise _save_error(
                 job.temporary,
-                None,
-                f"saving step {job.step} failed while the ranks coordinated: "
-                f"{self._describe(error, doing)}",
+                f"saving step {job.step} failed while the ranks coordinated: {cause}",
+                lost,
             ) from error
         job.record.path = Path(path)
         job.record.num_bytes = num_bytes
@@ -581,7 +601,7 @@ class Checkpointer:
         try:
             load(state, storage_reader=FileSystemReader(path), process_group=self._group)
         except (Exception, CheckpointException) as error:
-            cause = self._describe(error, f"loading {path.name}")
+            cause, _ = self._describe(error, f"loading {path.name}")
             raise CheckpointError(path, None, f"loading failed: {cause}") from None
         finally:
             self._random.source_rank, self._random.keys = self.rank, None
@@ -621,12 +641,15 @@ class Checkpointer:
         except RuntimeError as error:
             raise self.pipe.peers.lost_in(self._ranks, doing, error, self.timeout) from error
 
-    def _describe(self, error: BaseException, doing: str) -> str:
+    def _describe(self, error: BaseException, doing: str) -> tuple[str, PeerLostError | None]:
         """A save's or load's error on one line: DCP's own, one line per failed rank; the
-        backend's, naming the lost rank."""
+        backend's, naming the lost rank (and that PeerLostError)."""
+        if isinstance(error, PeerLostError):
+            return str(error), error
         if isinstance(error, CheckpointException) or not isinstance(error, RuntimeError):
-            return _summary(error)
-        return str(self.pipe.peers.lost_in(self._ranks, doing, error, self.timeout))
+            return _summary(error), None
+        lost = self.pipe.peers.lost_in(self._ranks, doing, error, self.timeout)
+        return str(lost), lost
 
     def _on_coordinator(self, fn: Callable[[], _T], doing: str) -> _T:
         """Run ``fn`` on the coordinator and hand every rank its result (or its error)."""
@@ -646,6 +669,19 @@ class Checkpointer:
         if error is not None:
             raise error
         raise CheckpointError(*value)
+
+
+class _SavePeerLostError(CheckpointError, PeerLostError):
+    """A save failed because a rank stopped answering: caught as either error."""
+
+
+def _save_error(path: Path, cause: str, lost: PeerLostError | None) -> CheckpointError:
+    """The error of a failed save: a PeerLostError too when a rank was lost."""
+    if lost is None:
+        return CheckpointError(path, None, cause)
+    error = _SavePeerLostError(path, None, cause)
+    error.lost = lost.lost
+    return error
 
 
 def _as_checkpoint_error(error: BaseException, directory: Path) -> tuple[str, str | None, str]:

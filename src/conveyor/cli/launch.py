@@ -188,11 +188,13 @@ def torchrun(arguments: list[str], resumable: bool = True) -> int:
 
 def failure_summary(exited: str, rank: int, how: str, recorded: Failure | None) -> str:
     """Who failed first: the rank the ranks' own first record names (See Note [first lost
-    rank]), which a hung rank never is for torchrun (it does not exit), else the first rank
-    to exit (``exited``, global ``rank``, exiting ``how``)."""
+    rank]), which a stopped or hung rank never is for torchrun (it does not exit), else the
+    first rank to exit (``exited``, global ``rank``, exiting ``how``). A rank that timed out
+    waiting records the rank whose heartbeat stopped, so a healthy rank that merely waited
+    longest is not blamed, whatever the load."""
     if recorded is None:
         return f"{exited} failed first: {how}"
-    culprit = recorded.rank if recorded.lost is None else recorded.lost
-    if culprit == rank:
+    if recorded.culprit == rank:
         return f"{exited} failed first: {how}: {recorded.describe()}"
-    return f"rank {culprit} failed first: {recorded.describe()}; {exited} exited first: {how}"
+    culprit = recorded.name(recorded.culprit)
+    return f"{culprit} failed first: {recorded.describe()}; {exited} exited first: {how}"

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from conveyor.runtime.loss import LossReduction
-from conveyor.runtime.peers import PeerLostError
+from conveyor.runtime.peers import PeerLostError, Peers, about_a_peer, close_group
 from conveyor.torch_compat import GradBucket, fsdp_reduce_gradients, replicate
 
 __all__ = ["DataParallel", "local", "reduces_in_flight"]
@@ -96,6 +96,9 @@ class DataParallel:
     ) -> None:
         self.stages = stages
         self.group = mesh.get_group()
+        self.timeout = timeout
+        self.peers = Peers(f"conveyor/failure/{self.group.group_name}", self.group)
+        """Names a lost replica: on a mesh, the mesh's job (See Note [rank names])."""
         self.reduces_in_flight = reduces_in_flight(fsdp, split_backward, tensor_parallel)
         """Whether DDP's reducer reduces the stages; See Note [reductions in flight]."""
         self.shared = _shared_parameters(stages, tied if self.reduces_in_flight else ())
@@ -104,7 +107,8 @@ class DataParallel:
         self.device = torch.device(mesh.device_type)
         self._divisor = 1 if reduction == "sum" and not self.reduces_in_flight else mesh.size()
         self._before: list[torch.Tensor | None] = []
-        _broadcast_from_first_replica(stages.values(), self.group)
+        with self._naming_lost("taking replica 0's parameters"):
+            _broadcast_from_first_replica(stages.values(), self.group)
         ignored = set(self.shared)
         self._trainable = {
             stage: _trainable(module, ignored)
@@ -121,7 +125,9 @@ class DataParallel:
             if self.reduces_in_flight:
                 params = [p for p in module.parameters() if p.requires_grad and p not in ignored]
                 if params:
-                    buckets_group = buckets_group or _same_ranks(self.group, timeout)
+                    if buckets_group is None:
+                        buckets_group = _same_ranks(self.group, timeout)
+                        self.peers.close_with(_closing(buckets_group), on_abandon=True)
                     self.in_flight[stage] = _Buckets(
                         stage, params, self.group, buckets_group, self._divisor
                     )
@@ -263,19 +269,18 @@ class DataParallel:
 
     @contextmanager
     def _naming_lost(self, doing: str) -> Iterator[None]:
-        """Turn the backend's timeout or lost connection into an error naming the replicas."""
+        """Turn the backend's timeout or lost connection into a PeerLostError naming the rank
+        lost (which may be another replica's: See Note [first lost rank])."""
         try:
             yield
+        except PeerLostError:
+            raise
         except RuntimeError as error:
-            if not _about_a_peer(error):  # this rank's own (an unsupported reduction...)
-                raise RuntimeError(f"rank {dist.get_rank()}: {doing} failed: {error}") from error
+            if not about_a_peer(error):  # this rank's own (an unsupported reduction...)
+                me = self.peers.name(self.peers.me)
+                raise RuntimeError(f"{me}: {doing} failed: {error}") from error
             ranks = dist.get_process_group_ranks(self.group)
-            others = [r for r in ranks if r != dist.get_rank()]
-            raise PeerLostError(
-                f"rank {dist.get_rank()}: lost a replica while {doing}: the replicas on "
-                f"ranks {others} did not take part ({error}). One of them has likely crashed "
-                "or been killed; check their logs."
-            ) from error
+            raise self.peers.lost_in(ranks, doing, error, self.timeout) from error
 
     def reshard(self) -> None:
         """Free gathered parameters (after inference, which has no backward to do it)."""
@@ -295,15 +300,8 @@ class DataParallel:
             self.reshard()
 
 
-_PEER_WORDS = ("connection", "closed", "timed out", "timeout", "reset", "broken pipe", "peer")
-"""Words of gloo's and NCCL's errors for a peer that left or went silent."""
-
-
-def _about_a_peer(error: RuntimeError) -> bool:
-    """Whether a collective's ``error`` says a peer left or went silent, not that this rank's
-    own call was wrong."""
-    text = str(error).lower()
-    return any(word in text for word in _PEER_WORDS)
+def _closing(group: dist.ProcessGroup) -> Callable[[], None]:
+    return lambda: close_group(group)
 
 
 class _Pending(Sequence[float]):

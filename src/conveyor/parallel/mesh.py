@@ -6,6 +6,7 @@ pipe_group = mesh.pp_group; replica = mesh.replica  # this rank's pipeline, its 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from conveyor.runtime.peers import name_job
 from conveyor.torch_compat import backend_options
 
 __all__ = ["MESH_DIMS", "MeshShape", "PipelineMesh", "mesh_shape", "pipeline_mesh"]
@@ -107,6 +109,14 @@ class PipelineMesh:
         self.dp_mesh = mesh["dp"] if "dp" in names else None
         """The 1-D mesh of this stage's replicas (None without a dp dimension)."""
         self.tp_mesh = mesh["tp"] if "tp" in names else None
+        self.stages_on: Callable[[int], Sequence[int]] | None = None
+        """The stages a pipeline rank holds, once the Pipeline has split the model; for
+        messages (``place``)."""
+        sub = [m.get_group() for m in (self.dp_mesh, self.tp_mesh) if m is not None]
+        groups = [self.pp_group, *sub]
+        # every rank makes the same meshes in the same order, so the count names the job alike
+        scope = f"conveyor/failure/mesh-{next(_MESHES)}"
+        name_job(groups, scope, range(dist.get_world_size()), self.place)
 
     def _coordinate(self, name: str) -> int:
         names = self.mesh.mesh_dim_names or ()
@@ -115,6 +125,23 @@ class PipelineMesh:
     @property
     def num_replicas(self) -> int:
         return self.shape.dp
+
+    def place(self, rank: int) -> str:
+        """Where global ``rank`` sits in the mesh: 'replica 1, stage 0' (its stages once the
+        Pipeline has set ``stages_on``, else its pipeline rank as the stage; ', tp rank 1'
+        with tensor parallelism); See Note [rank names] in conveyor.runtime.peers."""
+        found = (self.mesh.mesh == rank).nonzero()
+        if not len(found):
+            return ""
+        at = dict(zip(self.mesh.mesh_dim_names or (), found[0].tolist(), strict=True))
+        pp = at["pp"]
+        stages = list(self.stages_on(pp)) if self.stages_on is not None else [pp]
+        if len(stages) == 1:
+            held = f"stage {stages[0]}"
+        else:
+            held = f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}"
+        text = f"replica {at.get('dp', 0)}, {held}"
+        return text + (f", tp rank {at['tp']}" if self.shape.tp > 1 else "")
 
     def layout(self, stages_on: Callable[[int], Sequence[int]]) -> str:
         """Which global ranks hold which stages of which replica, one line per replica;
@@ -130,6 +157,10 @@ class PipelineMesh:
                 cells.append(f"stages {list(stages_on(pp_rank))} on rank {held}")
             lines.append(f"  replica {replica}: " + " | ".join(cells))
         return "\n".join(lines)
+
+
+_MESHES = itertools.count()
+"""Meshes made in this process, to name each one's failure record."""
 
 
 def _check_names(mesh: DeviceMesh) -> list[str]:

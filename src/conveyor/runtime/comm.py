@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import warnings
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.runtime.peers import Peers, StepRefused, read_record
+from conveyor.runtime.peers import Peers, StepRefused, about_a_peer, read_record, remaining
 from conveyor.torch_compat import close_gloo_group, pytree
 from conveyor.trace import Recorder
 
@@ -106,11 +107,16 @@ class P2P:
         self._upward, self._downward = _directions(group, timeout)
         """Groups for messages to higher and to lower ranks (None: ``group`` both ways);
         See Note [a group per direction]."""
-        self.check_open()
         channel = self._upward or group or dist.group.WORLD
         assert channel is not None
         self.peers = Peers(_scope(channel), group)
         """Names lost peers and records failures; See Note [first lost rank]."""
+        self.check_open()
+        groups = [self._upward, self._downward] if self._upward is not None else [group]
+        closed = [g for g in groups if g is not None and dist.get_backend(g) == "gloo"]
+        self.peers.close_with(
+            functools.partial(_close_transport, closed, self._upward), on_abandon=True
+        )
         self._queues: dict[int, deque[Receive]] = {}
         self._sends: list[tuple[dist.Work, int, str, torch.Tensor]] = []
         self.recorder: Recorder | None = None
@@ -248,7 +254,7 @@ class P2P:
 
     def _wait(self, work: dist.Work, peer: int, doing: str) -> None:
         with self._naming_lost(peer, doing):
-            work.wait(self.timeout)
+            work.wait(remaining(self.timeout))  # See Note [one deadline]
 
     @contextmanager
     def _naming_lost(self, peer: int, doing: str) -> Iterator[None]:
@@ -260,33 +266,38 @@ class P2P:
 
     def abandon(self, doing: str, error: BaseException) -> None:
         """Give up ``doing`` (a step) after ``error``: record why, then close this rank's
-        connections, so every peer waiting on it fails at once; See Note [abandoned step]."""
+        connections (the step's groups: this transport's, the mesh's), so every peer waiting
+        on it fails at once; See Note [abandoned step]."""
         self.peers.abandoned(doing, error)
-        groups = [self._upward, self._downward] if self._upward is not None else [self.group]
-        for group in groups:
-            if group is not None and dist.get_backend(group) == "gloo":
-                close_gloo_group(group)
-                _CLOSED[group.group_name] = dist.group.WORLD
-        if self._upward is not None and _DIRECTIONS[:1] == [self._upward]:
-            _DIRECTIONS.clear()  # the next Pipeline makes new ones
+        self.peers.close_groups(lost=False)
 
     @contextmanager
     def abandoning(self, doing: str) -> Iterator[None]:
         """Around work whose messages may be in flight: on any error (Ctrl-C too) but a
         refusal of every rank at once, record what was given up and why (``given_up``) and
-        ``abandon``, so the peers do not wait for this rank; the error goes on."""
+        ``abandon``, so the peers do not wait for this rank; the error goes on, a backend's
+        raw error for a lost peer (a collective inside the work: DDP's reducer, tensor
+        parallelism) as the PeerLostError that names the rank lost."""
         try:
             yield
         except StepRefused:
             raise
         except BaseException as error:
-            text = " ".join(str(error).split())
+            raised = error
+            if about_a_peer(error, backend_only=True):
+                ranks = self.peers.job.ranks
+                raised = self.peers.lost_in(ranks, f"running {doing}", error, self.timeout)
+            text = " ".join(str(raised).split())
             text = text if len(text) <= 200 else text[:197] + "..."
-            self.given_up = f"{doing} ({type(error).__name__}: {text})"
+            self.given_up = f"{doing} ({type(raised).__name__}: {text})"
             try:
-                self.abandon(doing, error)
+                self.abandon(doing, raised)
             except Exception as failure:  # keep the work's own error: it is the cause
-                logger.warning("[rank %d] could not tell the other ranks: %s", self.rank, failure)
+                logger.warning(
+                    "[rank %d] could not tell the other ranks: %s", self.peers.me, failure
+                )
+            if raised is not error:
+                raise raised from error
             raise
 
     def check_usable(self, owner: str) -> None:
@@ -294,9 +305,9 @@ class P2P:
         gave up work and closed its connections, or another one closed its groups."""
         if self.given_up is not None:
             raise RuntimeError(
-                f"rank {self.rank}: this {owner} abandoned {self.given_up} and closed its "
-                f"connections to the other ranks; create a new {owner} on every rank to go on "
-                "(over a new process group if you passed group=...)"
+                f"{self.peers.name(self.peers.me)}: this {owner} abandoned {self.given_up} and "
+                f"closed its connections to the other ranks; create a new {owner} on every "
+                "rank to go on (over a new process group if you passed group=...)"
             )
         self.check_open()
 
@@ -306,9 +317,9 @@ class P2P:
         world = dist.group.WORLD
         if any(g is not None and _CLOSED.get(g.group_name) is world for g in groups):
             raise RuntimeError(
-                f"rank {self.rank}: the process group this Pipeline talks over was closed "
-                "when a Pipeline on it abandoned a step; create a new Pipeline (over a new "
-                "process group if you passed group=...) on every rank to go on"
+                f"{self.peers.name(self.peers.me)}: the process group this Pipeline talks over "
+                "was closed when a Pipeline on it abandoned a step; create a new Pipeline "
+                "(over a new process group if you passed group=...) on every rank to go on"
             )
 
 
@@ -324,6 +335,15 @@ class P2P:
 _CLOSED: dict[str, Any] = {}
 """Names of the groups closed by an abandoned step, in this process, with the world they were
 in (a new world names its groups anew, so the same name there is another group)."""
+
+
+def _close_transport(groups: list[dist.ProcessGroup], upward: dist.ProcessGroup | None) -> None:
+    """Close a transport's gloo ``groups`` for good; See Note [abandoned step]."""
+    for group in groups:
+        close_gloo_group(group)
+        _CLOSED[group.group_name] = dist.group.WORLD
+    if upward is not None and _DIRECTIONS[:1] == [upward]:
+        _DIRECTIONS.clear()  # the next Pipeline makes new ones
 
 
 # Note [a group per direction]:
