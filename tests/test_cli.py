@@ -230,3 +230,19 @@ def test_plan_logs_each_phase_and_keeps_its_time_budget(
     out = capsys.readouterr().out
     assert "not explored: cut short by the 2 s time budget" in out
     assert "\n  profile: " in out  # one line per thing left out
+
+
+def test_plan_says_when_the_best_plan_would_wait_for_its_loader(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_plan import _batch, _loss, _model
+
+    saved = tmp_path / "profile.json"
+    workload = Workload("f", _model(), _batch, _loss)
+    profile_model(workload, [4, 2], passes=1, min_time_s=0.001).save(saved)
+    argv = ["plan", "--model", "test_plan:_factory", "--ranks", "2", "--memory", "1GiB"]
+    argv += ["--batch-size", "8", "--profile", str(saved), "--no-link"]
+    assert main([*argv, "--input-ms", "100000"]) == 0
+    assert "input-bound: the loader takes 100000.0 ms per batch" in capsys.readouterr().out
+    assert main([*argv, "--input-ms", "0.000001"]) == 0
+    assert "input-bound" not in capsys.readouterr().out

@@ -10,6 +10,7 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -452,3 +453,20 @@ def test_too_small_a_budget_for_two_ranks_profiles_here_and_says_so(
     assert "not measuring on two local ranks" in caplog.text  # no ranks started
     assert profile.link is None and profile.reduce_link is None
     assert "runtime overheads, link, all-reduce link not measured" in profile.budget_notes
+
+
+def test_a_loader_slower_than_the_step_is_reported_with_a_reuse_factor() -> None:
+    from conveyor.planner import input_bound, loader_seconds
+
+    def slow() -> Any:
+        while True:
+            time.sleep(0.02)
+            yield torch.zeros(1)
+
+    seconds = loader_seconds(slow(), count=3)
+    assert 0.015 < seconds < 0.5
+    warning = input_bound(seconds, step_s=seconds / 2.5)
+    assert "input-bound" in warning and "Refurbish with reuse=3" in warning
+    assert input_bound(seconds, step_s=seconds * 2) == "" and input_bound(None, 1.0) == ""
+    with pytest.raises(ValueError, match="gave 2 batches, 4 are needed"):
+        loader_seconds([1, 2], count=3)

@@ -164,6 +164,13 @@ def add_tool_commands(commands: Any) -> None:
         f"{MAX_PROFILE_SHARE * 100:.0f}%% of it (the less, the longer the search looks), the "
         "search at its end, and what was not explored is printed",
     )
+    planner.add_argument(
+        "--input-ms",
+        type=float,
+        metavar="MS",
+        help="milliseconds the training loader takes per batch (conveyor.planner."
+        "loader_seconds measures it): the best plan is checked for waiting on its input",
+    )
     planner.add_argument("--out", type=Path, help="write the best plan to this file")
     planner.add_argument("--top", type=positive_int, default=10, help="plans to print (default 10)")
     planner.set_defaults(command=_plan)
@@ -270,6 +277,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         objectives=args.balance_by,
         checkpointing=not args.no_checkpointing,
         time_budget_s=budget,
+        input_s=None if args.input_ms is None else args.input_ms / 1e3,
     )
     if args.save_profile:
         report.profile.save(args.save_profile)
@@ -289,6 +297,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{list(best.balance)} units, checkpointing {list(best.checkpoint)}: "
         f"{best.step_time * 1e3:.2f} ms/step, {best.samples_per_s:.1f} samples/s"
     )
+    if report.input_bound():
+        print(report.input_bound())
     if args.out:
         report.write(args.out)
         print(

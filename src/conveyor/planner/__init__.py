@@ -10,7 +10,9 @@ started here, within a deadline), ``cost`` (a profile as the simulator's cost mo
 ``candidates`` (its splits, checkpointing and simulations per schedule), ``budget``
 (one time budget for a planning call, measuring included), ``report`` (its plans and plan
 file), ``mesh`` (dp x pp layouts of a world of ranks, each pipeline planned, gradient
-reductions simulated) and ``workloads`` (models known by name).
+reductions simulated), ``workloads`` (models known by name), ``input`` (whether a plan
+waits for its loader), ``decode_cost`` (decode Programs costed for the simulator) and
+``parallelism`` (pipeline, tensor and context parallelism for one long request).
 """
 
 from conveyor.planner.budget import DEFAULT_TIME_BUDGET_S, Budget
@@ -30,6 +32,7 @@ from conveyor.planner.cost import (
     predict,
     split_units,
 )
+from conveyor.planner.input import input_bound, loader_seconds
 from conveyor.planner.local import (
     measure_local,
     measure_reduce_link,
@@ -75,8 +78,10 @@ __all__ = [
     "example",
     "fit",
     "fit_to_run",
+    "input_bound",
     "layout",
     "load_workload",
+    "loader_seconds",
     "measure_allreduce",
     "measure_link",
     "measure_local",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.planner.cost import Replicas, layout
+from conveyor.planner.input import input_bound
 from conveyor.planner.profile import Profile
 from conveyor.runtime.recompute import RecomputeMode
 
@@ -165,6 +166,13 @@ class PlanReport:
     """Data-parallel replicas of each pipeline (``batch_size`` is one replica's share)."""
     coverage: Coverage | None = None
     """What the search explored within its time budget."""
+    input_s: float | None = None
+    """Seconds the loader takes per batch, if measured (conveyor.planner.input)."""
+
+    def input_bound(self, chosen: Plan | None = None) -> str:
+        """Why ``chosen`` (default: the best plan) would wait for its input, and what to
+        do; '' when the loader keeps up or was not measured."""
+        return input_bound(self.input_s, (chosen or self.best).step_time)
 
     @property
     def unexplored(self) -> str:

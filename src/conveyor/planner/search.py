@@ -55,6 +55,7 @@ def plan(
     keep: int = 10,
     time_budget_s: float | Budget | None = DEFAULT_TIME_BUDGET_S,
     replicas: Replicas | None = None,
+    input_s: float | None = None,
 ) -> PlanReport:
     """Search splits, schedules, micro-batch counts and checkpointing; simulate each candidate.
 
@@ -77,6 +78,8 @@ def plan(
             budget]).
         replicas: data-parallel replicas of each pipeline (``batch_size`` is then one
             replica's share): their gradient reductions are simulated, and FSDP's memory.
+        input_s: seconds the loader takes per batch (conveyor.planner.loader_seconds):
+            ``report.input_bound()`` then says whether a plan would wait for its input.
 
     Raises:
         ValueError: a bad rank count, batch size or time budget, a profile that does not
@@ -153,6 +156,7 @@ def plan(
         explorer.pruned,
         replicas,
         coverage,
+        input_s,
     )
     logger.info(
         "planned %s for %d ranks: %d plans simulated (%d pruned by their bound) in %.1f s%s",
