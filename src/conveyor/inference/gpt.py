@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from conveyor.inference.cache import StaticKV
-from conveyor.inference.lm import CausalLM, Context
+from conveyor.inference.lm import Attend, CausalLM, Context
 from conveyor.models.gpt import Block, Embedding, Head
+from conveyor.parallel.context_parallel import AttentionSpec
 
 __all__ = ["GptLM", "is_gpt"]
 
@@ -77,3 +78,32 @@ class GptLM(CausalLM):
             else:
                 x = self._block(u).attend(x, blocked, cache[u])
         return x
+
+    supports_context_parallel = True
+
+    def attention_heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_heads, self.hidden_size // self.num_heads
+
+    def run_attending(
+        self, units: range, x: torch.Tensor, context: Context, attend: Attend
+    ) -> torch.Tensor:
+        for u in units:
+            if u == 0:
+                embedding = self.layers[0]
+                assert isinstance(embedding, Embedding)
+                x = embedding.embed(x, context.positions)
+            elif u < self.num_units - 1:
+                x = self._block(u).attend(x, None, _Attending(u - 1, attend))
+        return x
+
+
+class _Attending:
+    """What a Block asks its cache to do, as ``attend`` does it (conveyor.models.gpt's
+    ``Attention``): the block's attention, keys and values kept elsewhere."""
+
+    def __init__(self, layer: int, attend: Attend) -> None:
+        self.layer, self.function = layer, attend
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        spec = AttentionSpec(q.shape[-1] ** -0.5, q.shape[1], k.shape[1])
+        return self.function(self.layer, q, k, v, spec)

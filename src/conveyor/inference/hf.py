@@ -25,13 +25,17 @@ position only. Until the front end exports stages that way, this hand split is t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from abc import abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from conveyor.inference.lm import CausalLM, Context
+from conveyor.inference.lm import Attend, CausalLM, Context
+from conveyor.parallel.context_parallel import AttentionSpec
 
 __all__ = [
     "ADAPTERS",
@@ -319,6 +323,90 @@ class HfDecoder(HfCausalLM):
             use_cache=True,
         )
         return out
+
+    @property
+    def supports_context_parallel(self) -> bool:  # type: ignore[override]  # per model type
+        return self.config.model_type in CONTEXT_PARALLEL
+
+    def attention_heads(self) -> tuple[int, int, int]:
+        heads = int(self.config.num_attention_heads)
+        kv_heads = int(getattr(self.config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(self.config, "head_dim", None) or self.hidden_size // heads)
+        return heads, kv_heads, head_dim
+
+    def run_attending(
+        self, units: range, x: torch.Tensor, context: Context, attend: Attend
+    ) -> torch.Tensor:
+        """The model's own modules, each attention module calling ``attend`` through
+        transformers' attention interface (See Note [replaced attention])."""
+        if 0 in units:
+            x = self.embed(x, context)
+        blocks = self.blocks(units)
+        rotary = {t: self.position_embeddings(x, context, t) for t in set(self.layer_types)}
+        with _attention_replaced(self, attend):
+            for u in blocks:
+                x = self.block(u - 1, x, None, rotary[self.layer_types[u - 1]], None, context)
+        return x
+
+
+CONTEXT_PARALLEL = ("llama", "qwen2", "mistral")
+"""Model types whose attention ``run_attending`` replaces, tested against their own."""
+
+_REPLACED = "conveyor_replaced"
+"""The name conveyor's attention is registered under in transformers' AttentionInterface."""
+
+_attend: contextvars.ContextVar[Attend | None] = contextvars.ContextVar("attend", default=None)
+
+
+# Note [replaced attention]:
+# A Hugging Face attention module runs its own projections, rotary embeddings and grouped
+# heads, then calls the function its config's ``_attn_implementation`` names in transformers'
+# AttentionInterface. conveyor registers one there that hands the queries and the new keys and
+# values to the ``attend`` of the run in progress (a context variable) and selects it on the
+# model's config only while the run lasts; no cache is passed, so the keys and values are the
+# new tokens' only, and no mask is built (the attend function masks for itself).
+def _replaced_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function signature, computing ``attend``'s attention."""
+    attend = _attend.get()
+    assert attend is not None, "conveyor's attention selected outside run_attending"
+    window = kwargs.get("sliding_window")
+    spec = AttentionSpec(
+        float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+        query.shape[1],
+        key.shape[1],
+        int(window) if window else None,
+    )
+    out = attend(int(getattr(module, "layer_idx", 0)), query, key, value, spec)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_replaced(lm: HfCausalLM, attend: Attend) -> Iterator[None]:
+    """The model's attention modules calling ``attend`` while the body runs."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if _REPLACED not in AttentionInterface._global_mapping:  # once per process
+        AttentionInterface.register(_REPLACED, _replaced_attention)
+        AttentionMaskInterface.register(_REPLACED, lambda *args, **kwargs: None)
+    config = lm.config
+    before = config._attn_implementation
+    token = _attend.set(attend)
+    config._attn_implementation = _REPLACED
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _attend.reset(token)
 
 
 class HfGemma3(HfDecoder):

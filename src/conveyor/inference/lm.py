@@ -13,13 +13,21 @@ travel between stages.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CausalLM", "Context", "CpPlace"]
+from conveyor.parallel.context_parallel import AttentionSpec
+
+__all__ = ["Attend", "CausalLM", "Context", "CpPlace"]
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionSpec], torch.Tensor]
+"""Attention in place of a block's own: (layer index, queries, the new keys, the new values,
+what the layer computes) -> its output, (rows, heads, tokens, head size); context
+parallelism's (conveyor.inference.context)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,22 @@ class CausalLM(ABC):
         """Run ``units`` on ``x``: token ids (rows, length) if unit 0 is among them, else hidden
         states (rows, length, hidden). Returns hidden states, or the logits of each sequence's
         last position (rows, vocab) if the head is among them. Extends ``cache``."""
+
+    supports_context_parallel: bool = False
+    """Whether ``run_attending`` can replace this model's attention (context parallelism)."""
+
+    def attention_heads(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head size) of the blocks' attention."""
+        raise TypeError(f"{type(self).__name__} does not say its attention's heads")
+
+    def run_attending(
+        self, units: range, x: torch.Tensor, context: Context, attend: Attend
+    ) -> torch.Tensor:
+        """The embedding and blocks among ``units`` on ``x`` with ``attend`` in place of each
+        block's attention over a cache (it keeps keys and values itself); no head."""
+        raise TypeError(
+            f"{type(self).__name__} cannot have its attention replaced (context parallelism)"
+        )
 
     def check_cache_kind(self, kind: str, supported: tuple[str, ...]) -> None:
         if kind not in supported:
