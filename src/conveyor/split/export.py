@@ -7,7 +7,9 @@
 Export runs the model's Python once on the example inputs (masks built from them, ``if``s on
 config values, decorators: all fine), with every dimension of every input tensor dynamic
 unless the model pins it, so a later step with another batch or sequence length runs the same
-graph. Parameters keep their original qualified names and objects. See Note [exported modes].
+graph. Parameters keep their original qualified names and objects. See Note [exported modes];
+a model built on the meta device is exported on fake tensors of the device its stages run on
+(conveyor.split.fake).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 
+from conveyor.split.fake import export_device, faked, on_device
 from conveyor.split.inputs import bind_error
 from conveyor.split.tracing import module_path, where, within
 from conveyor.torch_compat import pytree
@@ -141,11 +144,15 @@ def _seen_at(rule: SizeRule, seen: Mapping[Any, tuple[int, str]]) -> str:
 
 
 def export_model(
-    model: nn.Module, example_inputs: Any
+    model: nn.Module, example_inputs: Any, device: torch.device | str | None = None
 ) -> tuple[fx.GraphModule, ExportedInputs, pytree.TreeSpec]:
     """``model`` exported (non-strict, dynamic shapes) on ``example_inputs``: the graph module
     whose attributes are the model's own parameters and buffers, its input binding, and the
     structure of its output (the graph returns the output's flattened leaves).
+
+    ``device`` is where the stages will run (default: the example inputs' device); a model
+    with tensors on the meta device is traced as if it were there. See Note [meta models on
+    fake tensors].
 
     Raises:
         TypeError: export failed; the message names the operation, the module and the line of
@@ -164,13 +171,17 @@ def export_model(
         )
     dynamic: dict[str, Any] = {name: None for name in constants}
     dynamic.update({name: {d: Dim.AUTO for d in range(t.dim())} for name, t in tensors.items()})
-    try:
-        exported = torch.export.export(
-            model, (), {**tensors, **constants}, dynamic_shapes=dynamic, strict=False
-        )
-    except Exception as error:
-        raise TypeError(_export_failure(model, error)) from error
+    on = export_device(model, tensors, device)
+    traced = {k: on_device(t, on) for k, t in tensors.items()}
+    with faked(model, on) as twins:
+        try:
+            exported = torch.export.export(
+                model, (), {**traced, **constants}, dynamic_shapes=dynamic, strict=False
+            )
+        except Exception as error:
+            raise TypeError(_export_failure(model, error, on)) from error
     module = exported.module()
+    twins.restore(module, model)
     _name_by_user(module, model)
     _drop_guards(module)
     module.meta[HOLDS_FOR] = _bind_training_flags(module, model.training)
@@ -436,19 +447,57 @@ def _check_tensor(name: str, value: Any, example: torch.Tensor, model_name: str)
         )
 
 
-def _export_failure(model: nn.Module, error: BaseException) -> str:
+def _export_failure(model: nn.Module, error: BaseException, fake: torch.device | None) -> str:
+    """What stopped the export of ``model`` (traced on fake tensors of ``fake`` when it is
+    built on the meta device), where, and the advice that fits the cause."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     inside = _failing_module(model, error)
     name = f" in module {inside!r} ({type(model.get_submodule(inside)).__name__})" if inside else ""
     around = repr(inside) if inside else "that code"
-    return (
-        f"cannot split {type(model).__name__}: torch.export could not trace it{name}"
-        f"{where(error)}: {type(error).__name__}: {first[:300]}. torch.export needs the whole "
-        "forward traceable: rewrite that code without Python branches on tensor values "
-        "(if x.sum() > 0, .item(), .tolist()); or, if torch.fx can trace the model around "
-        f"{around}, split with tracer='fx' and split points or stage_modules that keep it whole "
-        "(torch.fx never traces inside a module without a cut)"
+    fx_instead = (
+        f"if torch.fx can trace the model around {around}, split with tracer='fx' and split "
+        "points or stage_modules that keep it whole (torch.fx never traces inside a module "
+        "without a cut)"
     )
+    cause = f"{where(error)}: {type(error).__name__}: {first[:300]}"
+    if _is_data_dependent(error):
+        return (
+            f"cannot split {type(model).__name__}: torch.export could not trace it{name}"
+            f"{cause}. torch.export needs the whole forward traceable: rewrite that code "
+            "without Python branches on tensor values (if x.sum() > 0, .item(), .tolist()); "
+            f"or, {fx_instead}"
+        )
+    if fake is not None:
+        return (
+            f"cannot split {type(model).__name__}: torch.export could not run it on fake "
+            f"tensors of device {str(fake)!r} (the model is built on the meta device){name}"
+            f"{cause}; build the model on {str(fake)!r} instead (every rank then holds it "
+            f"whole until the split), or, {fx_instead}"
+        )
+    return (
+        f"cannot split {type(model).__name__}: torch.export could not trace it{name}{cause}; "
+        f"{fx_instead}"
+    )
+
+
+def _is_data_dependent(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is export's refusal to branch on, or size by, a
+    tensor's values."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    seen: BaseException | None = error
+    for _ in range(16):  # a chain of causes, never a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, kinds):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _failing_module(model: nn.Module, error: BaseException) -> str:

@@ -9,7 +9,8 @@ the model's own modules); torch.export traces what fx cannot (decorated forwards
 from the inputs, branches on config values), through the example inputs. With
 ``tracer="auto"`` fx is tried first and export follows, logged, when fx fails and example
 inputs are given. Split points, stage modules and the automatic split all assign nodes to
-stages by ``module_path``, so the three agree whichever tracer ran.
+stages by ``module_path``, so the three agree whichever tracer ran. A model built on the meta
+device is exported on fake tensors of the device its stages run on (``device``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import fx, nn
 
 from conveyor.split.export import HOLDS_FOR, export_model
@@ -62,9 +64,12 @@ def trace(
     example_inputs: Any = None,
     tracer: Tracer = "auto",
     hint: str | Callable[[str], str] = "",
+    device: torch.device | str | None = None,
 ) -> Traced:
     """Trace ``model`` with torch.fx (into the modules that contain ``cut_at`` names, or as
-    ``leaf`` says) or torch.export (on ``example_inputs``), per ``tracer``.
+    ``leaf`` says) or torch.export (on ``example_inputs``), per ``tracer``. ``device`` is where
+    the stages will run (default: the example inputs' device); an export of a model built on
+    the meta device traces it as if it were there (conveyor.split.fake).
 
     Raises:
         TypeError: the model cannot be traced; the message names the operation, the module and
@@ -75,7 +80,7 @@ def trace(
         raise ValueError(f"tracer must be one of {list(TRACERS)}, got {tracer!r}")
     check_concrete_args(model, concrete_args)
     if tracer == "export":
-        return _exported(model, example_inputs)
+        return _exported(model, example_inputs, device)
     try:
         graph = trace_graph(model, cut_at, concrete_args, leaf, hint)
     except TypeError as error:
@@ -91,7 +96,7 @@ def trace(
             type(cause).__name__,
             str(cause).strip().splitlines()[0][:120] if str(cause).strip() else "",
         )
-        return _exported(model, example_inputs)
+        return _exported(model, example_inputs, device)
     retrace = functools.partial(trace_graph, model, cut_at, concrete_args, leaf, hint)
     mode = _mode(model, graph, retrace)
     return Traced(graph, model, TracedInputs(model, graph, concrete_args), None, "fx", mode)
@@ -111,12 +116,12 @@ def _mode(model: nn.Module, graph: fx.Graph, retrace: Callable[[], fx.Graph]) ->
     return None if same else model.training
 
 
-def _exported(model: nn.Module, example_inputs: Any) -> Traced:
+def _exported(model: nn.Module, example_inputs: Any, device: torch.device | str | None) -> Traced:
     if example_inputs is None:
         raise ValueError(
             f"splitting {type(model).__name__} through torch.export needs example_inputs=<a "
             "batch as step() takes it>, e.g. {'input_ids': ids, 'labels': labels}"
         )
-    module, inputs, output_spec = export_model(model, example_inputs)
+    module, inputs, output_spec = export_model(model, example_inputs, device)
     module.training = model.training  # stages start in the model's mode (train() is refused)
     return Traced(module.graph, module, inputs.bind, output_spec, "export", module.meta[HOLDS_FOR])
