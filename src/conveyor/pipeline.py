@@ -38,7 +38,7 @@ from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.fingerprint import autocast_state, digest, fingerprint
 from conveyor.runtime.host_memory import keep_freed_memory
-from conveyor.runtime.interpreter import LossFn, Runtime, StepInputs
+from conveyor.runtime.interpreter import LossFn, Runtime, RuntimeHooks, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.tied import Tie, TiedWeights, find_ties
@@ -201,6 +201,7 @@ class Pipeline:
         self.data_parallel = self._parallelize(tp_plan)
         """This rank's stages over the replicas (FSDP2), or None with one replica."""
         self.ties.rebind(self.stages)
+        data = self.data_parallel
         self._runtime = Runtime(
             self.graph,
             self.rank,
@@ -210,6 +211,11 @@ class Pipeline:
             config.stage_checkpoint or config.checkpoint,
             config.seed,
             config.measure_memory,
+            RuntimeHooks(
+                on_agreed=self.ties.check_frozen if self.ties.across else None,
+                before_last_backward=None if data is None else data.arm,
+                on_weights_done=None if data is None else self._reduce_stage,
+            ),
         )
         self.step_index = 0
         self._shares_checked = False
@@ -217,11 +223,6 @@ class Pipeline:
         self._decoder: DecodePipeline | None = None
         self.recorder: Recorder | None = None
         """This rank's recorder when tracing (trace=True or trace_dir), else None."""
-        if self.ties.across:
-            self._runtime.on_agreed = self.ties.check_frozen
-        if self.data_parallel is not None:
-            self._runtime.before_last_backward = self.data_parallel.arm
-            self._runtime.on_weights_done = self._reduce_stage
         if config.trace or config.trace_dir:
             self._start_trace(p2p)
         if self.rank == 0 if self.mesh is None else dist.get_rank() == 0:

@@ -313,7 +313,7 @@ class DecodePipeline:
             None if first is None else first - start,
             int(ids.shape[0]),
             length,
-            self._runtime.held_bytes,
+            self._runtime.final_cache_bytes,
         )
         return None if new is None else torch.cat([ids.to(new.device), new[:, :length]], 1)
 

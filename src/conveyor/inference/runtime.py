@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -27,7 +27,7 @@ from conveyor.inference.schedule import Item
 from conveyor.parallel.context_parallel import zigzag
 from conveyor.program import Action, Kind
 from conveyor.runtime.comm import P2P, Meta, Receive
-from conveyor.trace import Recorder
+from conveyor.runtime.core import Interpreter
 
 __all__ = ["Batch", "DecodeRuntime"]
 
@@ -106,7 +106,7 @@ class _State:
     """``time.perf_counter()`` when the last group sampled its first token (last stage)."""
 
 
-class DecodeRuntime:
+class DecodeRuntime(Interpreter):
     """Runs one rank's decode actions over its stages (``units`` of ``lm`` each)."""
 
     def __init__(
@@ -126,13 +126,12 @@ class DecodeRuntime:
         self.p2p = p2p
         self.device = device
         self.local = graph.stages_on(rank)
-        self.recorder: Recorder | None = None
         self.first_token: float | None = None
         """When the last run's every sequence had its first token (on the last stage's
         rank, else None), ``time.perf_counter()`` seconds."""
-        self.held_bytes = 0
+        self.final_cache_bytes = 0
         """Bytes of keys and values the last run's caches held at its end."""
-        self._handlers: dict[Kind, Callable[[Action], None]] = {
+        self.handlers = {
             Kind.F: self._forward,
             Kind.SEND_F: self._send,
             Kind.RECV_F: self._recv,
@@ -144,25 +143,17 @@ class DecodeRuntime:
         self._batch = batch
         self._fed = frozenset(i.source for i in batch.items if i.source is not None)
         self._state = _State(self._new_caches(batch), self._new_samplers(batch))
-        recorder = self.recorder
         with torch.no_grad():
-            for action in actions:
-                logger.debug("[rank %d] %s", self.rank, action)
-                handler = self._handlers.get(action.kind)
-                if handler is None:
-                    raise RuntimeError(f"rank {self.rank}: {action} is not a decode action")
-                if recorder is None:
-                    handler(action)
-                    continue
-                start = recorder.now()
-                handler(action)
-                recorder.add(str(action), start, recorder.now(), memory=self.cache_bytes)
+            self.execute(actions)
             if self.p2p is not None:
                 self.p2p.wait_sends()
-        self.held_bytes = self.cache_bytes
+        self.final_cache_bytes = self.cache_bytes
         state, self._state = self._state, _State({}, {})
         self.first_token = state.first_token
         return state.tokens
+
+    def held_bytes(self) -> int:
+        return self.cache_bytes
 
     @property
     def cache_bytes(self) -> int:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # backward runs with gradient sync and resharding off (gradients accumulate unsharded, the
 # gathered parameters stay for the deferred W), and the reduction runs once, by hand, right
 # after the last action that adds to the stage's weight gradients (its last B or W,
-# Runtime.on_weights_done). Every replica runs the same program, so the collectives of a
+# RuntimeHooks.on_weights_done). Every replica runs the same program, so the collectives of a
 # stage's replicas meet in the same order and cannot deadlock when the pipeline cannot.
 # FSDP2 wants one root module per state, so each stage is wrapped alone; a parameter shared
 # by two stages of one rank (a weight tied within the rank, as in a V placement) is left out

@@ -19,6 +19,7 @@ from conveyor.program import Action, Kind, last_weight_actions
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.batchnorm import recompute_context, running_stats
 from conveyor.runtime.comm import P2P, Meta, Receive
+from conveyor.runtime.core import Interpreter
 from conveyor.runtime.fingerprint import Fingerprint, agree
 from conveyor.runtime.inplace import copying_inputs
 from conveyor.runtime.input_grads import InputGradients
@@ -29,7 +30,7 @@ from conveyor.runtime.stage_errors import check_loss, loss_errors, stage_errors
 from conveyor.torch_compat import pytree
 from conveyor.trace import Recorder
 
-__all__ = ["LossFn", "Runtime", "StepInputs"]
+__all__ = ["LossFn", "Runtime", "RuntimeHooks", "StepInputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,24 @@ class _State:
     model_outputs: dict[int, Any] = field(default_factory=dict)
 
 
-class Runtime:
+@dataclass
+class RuntimeHooks:
+    """What the layers around a pipeline (data parallelism, tied weights) do at points of a
+    step, handed to the Runtime at construction; each is optional."""
+
+    on_agreed: Callable[[tuple[int, ...]], None] | None = None
+    """Called with every rank's trainable digest once a training step's batch check passed,
+    before its first message: tied weights check their copies are frozen alike."""
+    before_last_backward: Callable[[int, list[torch.Tensor]], None] | None = None
+    """Called with a stage and the tensors its step's last B backpropagates from, just before
+    it runs: data parallelism arms DDP's reducer then (conveyor.parallel)."""
+    on_weights_done: Callable[[int], None] | None = None
+    """Called with a stage once the step's last action adding to its weight gradients (its
+    last B or W) has run: data parallelism reduces that stage's gradients then, while the rest
+    of the step runs (conveyor.parallel.data_parallel)."""
+
+
+class Runtime(Interpreter):
     """Runs one rank's actions over its local stages, talking to peers through ``P2P``."""
 
     def __init__(
@@ -88,6 +106,7 @@ class Runtime:
         checkpoint: RecomputeMode | Sequence[RecomputeMode],
         seed: int,
         measure_memory: bool,
+        hooks: RuntimeHooks | None = None,
     ) -> None:
         self.graph = graph
         self.rank = rank
@@ -107,18 +126,7 @@ class Runtime:
         first; See Note [in-place stage inputs]."""
         self.meter = ActivationMeter(enabled=measure_memory)
         self.meter.exclude(local(p) for m in self.modules.values() for p in m.parameters())
-        self.recorder: Recorder | None = None
-        """Set to record every action's start and end (conveyor.trace)."""
-        self.on_weights_done: Callable[[int], None] | None = None
-        """Called with a stage once the step's last action adding to its weight gradients (its
-        last B or W) has run: data parallelism reduces that stage's gradients then, while the
-        rest of the step runs (conveyor.parallel.data_parallel)."""
-        self.on_agreed: Callable[[tuple[int, ...]], None] | None = None
-        """Called with every rank's trainable digest once a training step's batch check
-        passed, before its first message: tied weights check their copies are frozen alike."""
-        self.before_last_backward: Callable[[int, list[torch.Tensor]], None] | None = None
-        """Called with a stage and the tensors its step's last B backpropagates from, just
-        before it runs: data parallelism arms DDP's reducer then (conveyor.parallel)."""
+        self.hooks = hooks or RuntimeHooks()
         self._last_backward: set[tuple[int, int]] = set()
         """(stage, micro-batch) of each stage's last B in the step being run."""
         self._meta: dict[_Channel, Meta | Receive] = {}
@@ -139,7 +147,7 @@ class Runtime:
         self._grad_meta: dict[_Channel, Meta] = {}
         """Per channel and signature (as ``_meta``): the gradients that come back for what was
         sent, worked out once rather than per message."""
-        self._handlers: dict[Kind, Callable[[Action], None]] = {
+        self.handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
             Kind.I: self._backward_input,
@@ -154,35 +162,34 @@ class Runtime:
         """Execute ``actions`` in order; returns the step's state (losses, outputs)."""
         self._step = step
         self._state = _State()
-        recorder = self.recorder
+        hooks = self.hooks
         self._input_grads.begin()
-        done = last_weight_actions(actions) if self.on_weights_done is not None else {}
+        done = last_weight_actions(actions) if hooks.on_weights_done is not None else {}
         self._last_backward = {
             (a.stage, a.microbatch) for i, a in enumerate(actions) if i in done and a.kind is Kind.B
         }
+
+        def reduce_when_done(index: int, action: Action) -> None:
+            if index in done and hooks.on_weights_done is not None:
+                hooks.on_weights_done(done[index])
+
         with torch.set_grad_enabled(step.is_training), self._compile_allowance(step):
             if step.fingerprint is not None:
                 what = f"step {step.step_index}" if step.is_training else "a forward() call"
                 with self._as_one_wait("batch check" if self.graph.num_ranks > 1 else None):
                     self._trainable = agree(self.p2p, step.fingerprint, what)
-                    if self.on_agreed is not None and step.is_training:
-                        self.on_agreed(self._trainable)
-            for index, action in enumerate(actions):
-                logger.debug("[rank %d] %s", self.rank, action)
-                if recorder is None:
-                    self._handlers[action.kind](action)
-                else:
-                    start = recorder.now()
-                    self._handlers[action.kind](action)
-                    recorder.add(str(action), start, recorder.now(), memory=self.meter.held_bytes)
-                if index in done and self.on_weights_done is not None:
-                    self.on_weights_done(done[index])
+                    if hooks.on_agreed is not None and step.is_training:
+                        hooks.on_agreed(self._trainable)
+            self.execute(actions, reduce_when_done if done else None)
             if step.is_training and self._input_grads.has_work(step.microbatches):
                 with self._as_one_wait("input gradients"):
                     self._input_grads.finish(step.microbatches)
             self.p2p.wait_sends()
         state, self._state = self._state, _State()
         return state
+
+    def held_bytes(self) -> int:
+        return self.meter.held_bytes
 
     @contextmanager
     def _as_one_wait(self, describe: str | None) -> Iterator[None]:
@@ -323,8 +330,9 @@ class Runtime:
     def _backward(self, action: Action) -> None:
         s, k = action.stage, action.microbatch
         roots, grads = self._roots(s, k)
-        if roots and (s, k) in self._last_backward and self.before_last_backward is not None:
-            self.before_last_backward(s, roots)
+        arm = self.hooks.before_last_backward
+        if roots and (s, k) in self._last_backward and arm is not None:
+            arm(s, roots)
         if roots:
             torch.autograd.backward(roots, grads)
         inputs = self._state.inputs.pop((s, k), {})
