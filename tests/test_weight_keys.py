@@ -194,11 +194,28 @@ def _pipelines_read_from_pretrained(rank: int, world_size: int, directory: str) 
         for name, tensor in pipe.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
         loss = pipe.step(batch)
+        expected_loss = reference(**batch).loss
+        expected_loss.backward()
         if loss is not None:
-            torch.testing.assert_close(loss, reference(**batch).loss.detach())
+            torch.testing.assert_close(loss, expected_loss.detach())
+        grads = dict(reference.named_parameters(remove_duplicate=False))
+        for name, parameter in pipe.named_parameters():  # a tie within a stage stays one
+            torch.testing.assert_close(parameter.grad, grads[name].grad, msg=name)
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_pipelines_built_on_meta_hold_what_from_pretrained_loads(tmp_path: Path) -> None:
     run_ranks(_pipelines_read_from_pretrained, tmp_path, 2, timeout_s=240, directory=str(tmp_path))
+
+
+def test_a_tie_inside_one_stage_stays_one_parameter(tmp_path: Path) -> None:
+    """T5's decoder embedding and head are one weight: loaded from the files, both names
+    hold one Parameter (two Parameters would split its gradient)."""
+    _saved(_t5, tmp_path)
+    model = _meta(_t5)
+    files = WeightFiles(tmp_path, model)
+    materialize(model, torch.device("cpu"), initialize=lambda *_: False, files=files)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    assert named["decoder.embed_tokens.weight"] is named["lm_head.weight"]
+    assert named["shared.weight"] is named["encoder.embed_tokens.weight"]

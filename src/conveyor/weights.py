@@ -120,11 +120,11 @@ def materialize(
         seen.add(id(tensor))
         loaded = _read(files, name, tensor)
         if loaded is not None:
-            made[id(tensor)] = loaded.to(device)
+            made[id(tensor)] = _like(tensor, loaded.to(device))
         elif tensor.is_meta:
             pending[name] = tensor
         else:
-            made[id(tensor)] = tensor.to(device)
+            made[id(tensor)] = _like(tensor, tensor.to(device))
     saved = set(stage.state_dict(keep_vars=True))
     lacking = [name for name in pending if name in saved]
     if files is not None and lacking:
@@ -140,6 +140,15 @@ def materialize(
     for name, tensor in tensors.items():
         _put(stage, name, made[id(tensor)], tensor, name in saved)
     return stage
+
+
+def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` as a Parameter if ``old`` was one, made once per tensor: every name of a tied
+    weight must register this one object, or the tie breaks into copies (See Note [meta
+    materialization])."""
+    if isinstance(old, nn.Parameter) and not isinstance(new, nn.Parameter):
+        return nn.Parameter(new, requires_grad=old.requires_grad)
+    return new
 
 
 def _read(files: WeightFiles | None, name: str, old: torch.Tensor) -> torch.Tensor | None:
