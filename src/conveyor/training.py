@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from conveyor.parallel.data_parallel import local
+from conveyor.runtime.sharded import local
 
 if TYPE_CHECKING:
     from conveyor.pipeline import Pipeline

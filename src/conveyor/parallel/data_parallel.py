@@ -22,14 +22,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from conveyor.runtime.loss import LossReduction
 from conveyor.runtime.peers import PeerLostError, Peers, about_a_peer, close_group
+from conveyor.runtime.sharded import local
 from conveyor.torch_compat import GradBucket, fsdp_reduce_gradients, replicate
 
-__all__ = ["DataParallel", "local", "reduces_in_flight"]
+__all__ = ["DataParallel", "reduces_in_flight"]
 
 logger = logging.getLogger(__name__)
 
@@ -452,7 +452,3 @@ def _broadcast_from_first_replica(modules: Iterable[nn.Module], group: dist.Proc
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(local(tensor), group=group, group_src=0)
 
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: a DTensor's local shard, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

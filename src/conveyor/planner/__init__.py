@@ -9,7 +9,7 @@ started here, within a deadline), ``cost`` (a profile as the simulator's cost mo
 ``partition`` (optimal splits of a profiled model), ``search`` (the planner) and
 ``candidates`` (its splits, checkpointing and simulations per schedule), ``budget``
 (one time budget for a planning call, measuring included), ``report`` (its plans and plan
-file), ``mesh`` (dp x pp layouts of a world of ranks, each pipeline planned, gradient
+file), ``layouts`` (dp x pp layouts of a world of ranks, each pipeline planned, gradient
 reductions simulated), ``workloads`` (models known by name), ``input`` (whether a plan
 waits for its loader), ``decode_cost`` (decode Programs costed for the simulator) and
 ``parallelism`` (pipeline, tensor and context parallelism for one long request).
@@ -33,6 +33,7 @@ from conveyor.planner.cost import (
     split_units,
 )
 from conveyor.planner.input import input_bound, loader_seconds
+from conveyor.planner.layouts import MeshPlan, MeshReport, plan_mesh
 from conveyor.planner.local import (
     measure_local,
     measure_reduce_link,
@@ -40,7 +41,6 @@ from conveyor.planner.local import (
     profile_local,
     with_reduce_link,
 )
-from conveyor.planner.mesh import MeshPlan, MeshReport, plan_mesh
 from conveyor.planner.profile import (
     Link,
     Overheads,

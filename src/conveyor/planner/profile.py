@@ -34,8 +34,8 @@ from conveyor.files import write_atomic
 from conveyor.planner.budget import passed
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.host_memory import keep_freed_memory
+from conveyor.split.capture import capture_graph
 from conveyor.split.inputs import bind_inputs
-from conveyor.split.tracing import trace_graph
 from conveyor.split.untouched import untouched
 from conveyor.torch_compat import pytree
 
@@ -383,7 +383,7 @@ def trace_units(
         TypeError: the model (or, deeper, a layer) cannot be traced with torch.fx.
     """
     try:
-        graph = trace_graph(model, (), leaf=_leaf_at(depth))
+        graph = capture_graph(model, (), leaf=_leaf_at(depth))
     except TypeError as error:
         raise TypeError(
             f"{error}. The planner profiles a model traced by torch.fx; one that only "

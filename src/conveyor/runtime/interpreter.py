@@ -14,7 +14,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from conveyor.graph import MODEL_OUTPUT, StageGraph
-from conveyor.parallel.data_parallel import local
 from conveyor.program import Action, Kind, last_weight_actions
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.batchnorm import recompute_context, running_stats
@@ -26,6 +25,7 @@ from conveyor.runtime.input_grads import InputGradients
 from conveyor.runtime.memory import ActivationMeter
 from conveyor.runtime.recompute import RecomputeMode, is_recomputed
 from conveyor.runtime.rng import RngState, microbatch_seed, rng_stream
+from conveyor.runtime.sharded import local
 from conveyor.runtime.stage_errors import check_loss, loss_errors, stage_errors
 from conveyor.torch_compat import pytree
 from conveyor.trace import Recorder

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from conveyor.graph import StageGraph
-from conveyor.parallel.data_parallel import local
 from conveyor.runtime.comm import P2P, Meta, Receive
 from conveyor.runtime.fingerprint import exchange
 from conveyor.runtime.peers import StepRefused
+from conveyor.runtime.sharded import local
 
 __all__ = ["SharedParameter", "Tie", "TiedFrozenError", "TiedWeights", "find_ties"]
 

@@ -10,15 +10,16 @@ qualified names. A value used by a later stage becomes an edge to it, however fa
 connections go straight from producer to consumer (``relay_skips=True`` instead passes them
 through every stage in between, as chain-only pipelines must).
 
-Modules: ``frontend`` (one tracer for every method: torch.fx, or torch.export for what fx
-cannot trace, ``export``), ``points`` (split points), ``modules`` (stage modules), ``auto``
+Modules: ``frontend`` (``capture``: one way in for every method: torch.fx, or torch.export
+for what fx cannot trace, ``export``, on fake tensors of the real device for a model built on
+the meta device, ``fake``), ``points`` (split points), ``modules`` (stage modules), ``auto``
 (automatic cut) and ``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential),
-``inputs``, ``untouched`` (measuring a model without changing it); the internal ``tracing``
+``inputs``, ``untouched`` (measuring a model without changing it); the internal ``capture``
 (fx) and ``stages`` are what they share.
 """
 
 from conveyor.split.auto import auto_split
-from conveyor.split.frontend import Traced, Tracer, trace
+from conveyor.split.frontend import Traced, Tracer, capture
 from conveyor.split.inputs import bind_inputs, run_stages
 from conveyor.split.modules import StageAnnotation, split_by_modules
 from conveyor.split.points import balance_to_split_points, even_balance, split_model
@@ -33,6 +34,7 @@ __all__ = [
     "balance_to_split_points",
     "bind_inputs",
     "build_stage_graph",
+    "capture",
     "even_balance",
     "pop",
     "run_stages",
@@ -40,6 +42,5 @@ __all__ = [
     "split_by_modules",
     "split_model",
     "stash",
-    "trace",
     "verify_skips",
 ]

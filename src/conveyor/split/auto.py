@@ -18,10 +18,10 @@ from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from conveyor.graph import StageGraph
+from conveyor.split.capture import COMPUTE_OPS, HOW_TO_ANNOTATE
 from conveyor.split.cut import DataflowGraph, best_cut
-from conveyor.split.frontend import NO_MODULE, Traced, Tracer, trace
+from conveyor.split.frontend import NO_MODULE, Traced, Tracer, capture
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS, HOW_TO_ANNOTATE
 from conveyor.split.untouched import untouched
 from conveyor.torch_compat import pytree
 
@@ -83,7 +83,7 @@ def auto_split(
             return True
         return default.is_leaf_module(m, name)
 
-    traced = trace(
+    traced = capture(
         model,
         leaf=is_leaf,
         concrete_args=concrete_args,

@@ -27,9 +27,9 @@ import torch
 from torch import fx, nn
 from torch.export import Dim
 
+from conveyor.split.capture import module_path, where, within
 from conveyor.split.fake import export_device, faked, on_device
 from conveyor.split.inputs import bind_error
-from conveyor.split.tracing import module_path, where, within
 from conveyor.torch_compat import pytree
 
 __all__ = ["HOLDS_FOR", "ExportedInputs", "export_model"]

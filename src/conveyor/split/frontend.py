@@ -1,6 +1,6 @@
 """One front end for every way to split: trace the model with torch.fx or torch.export.
 
-    traced = trace(model, cut_at=["layers.4"], example_inputs=batch)   # fx if it can, else export
+    traced = capture(model, cut_at=["layers.4"], example_inputs=batch)   # fx if it can, else export
     traced.graph, traced.root      # the graph and the module its attributes come from
     module_path(node)              # the submodule that runs a node: what split methods cut by
 
@@ -24,12 +24,12 @@ from typing import Any, Literal
 import torch
 from torch import fx, nn
 
+from conveyor.split.capture import NO_MODULE, capture_graph, module_path, within
 from conveyor.split.export import HOLDS_FOR, export_model
 from conveyor.split.inputs import TracedInputs, check_concrete_args
-from conveyor.split.tracing import NO_MODULE, module_path, trace_graph, within
 from conveyor.torch_compat import pytree
 
-__all__ = ["NO_MODULE", "Traced", "Tracer", "module_path", "trace", "within"]
+__all__ = ["NO_MODULE", "Traced", "Tracer", "capture", "module_path", "within"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Traced:
     ``self.training``, or an export in eval mode lost what training needs. None: both."""
 
 
-def trace(
+def capture(
     model: nn.Module,
     *,
     cut_at: Sequence[str] = (),
@@ -82,7 +82,7 @@ def trace(
     if tracer == "export":
         return _exported(model, example_inputs, device)
     try:
-        graph = trace_graph(model, cut_at, concrete_args, leaf, hint)
+        graph = capture_graph(model, cut_at, concrete_args, leaf, hint)
     except TypeError as error:
         if tracer == "fx" or example_inputs is None:
             raise TypeError(
@@ -97,7 +97,7 @@ def trace(
             str(cause).strip().splitlines()[0][:120] if str(cause).strip() else "",
         )
         return _exported(model, example_inputs, device)
-    retrace = functools.partial(trace_graph, model, cut_at, concrete_args, leaf, hint)
+    retrace = functools.partial(capture_graph, model, cut_at, concrete_args, leaf, hint)
     mode = _mode(model, graph, retrace)
     return Traced(graph, model, TracedInputs(model, graph, concrete_args), None, "fx", mode)
 

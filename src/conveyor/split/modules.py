@@ -12,9 +12,9 @@ from typing import Any
 from torch import fx, nn
 
 from conveyor.graph import StageGraph
-from conveyor.split.frontend import Tracer, module_path, trace
+from conveyor.split.capture import COMPUTE_OPS, unknown_module
+from conveyor.split.frontend import Tracer, capture, module_path
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS, unknown_module
 
 __all__ = ["StageAnnotation", "split_by_modules"]
 
@@ -50,7 +50,7 @@ def split_by_modules(
     """
     table = _stage_table(model, stages)
     num_stages = 1 + max(table.values())
-    traced = trace(
+    traced = capture(
         model,
         cut_at=list(table),
         concrete_args=concrete_args,

@@ -12,10 +12,10 @@ from typing import Any
 from torch import fx, nn
 
 from conveyor.graph import StageGraph
-from conveyor.split.frontend import Tracer, module_path, trace, within
+from conveyor.split.capture import COMPUTE_OPS, unknown_module
+from conveyor.split.frontend import Tracer, capture, module_path, within
 from conveyor.split.skip import has_skips, verify_skips
 from conveyor.split.stages import build_stage_graph, place_attributes, sink_duplicates
-from conveyor.split.tracing import COMPUTE_OPS, unknown_module
 
 __all__ = ["balance_to_split_points", "even_balance", "split_model"]
 
@@ -92,7 +92,7 @@ def split_model(
     _check_split_points(model, split_points)
     if isinstance(model, nn.Sequential) and has_skips(model):
         verify_skips(model)
-    traced = trace(
+    traced = capture(
         model,
         cut_at=split_points,
         concrete_args=concrete_args,

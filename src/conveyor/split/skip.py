@@ -57,7 +57,7 @@ _M = TypeVar("_M", bound=nn.Module)
 #   per-thread store and pop() takes it out, so a plain nn.Sequential works unchanged;
 # - explicit (called with ``conveyor_skips={name: value}``): pop() reads the given values and
 #   the layer returns ``(output, {name: stashed})``. conveyor's tracer
-#   (conveyor.split.tracing) calls every skippable layer this way, so each stash -> pop
+#   (conveyor.split.capture) calls every skippable layer this way, so each stash -> pop
 #   becomes an edge of the traced graph, and the split sends the value from the stashing
 #   stage directly to the popping stage.
 

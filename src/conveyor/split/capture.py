@@ -1,6 +1,7 @@
-"""Trace a model with torch.fx for splitting: only modules that contain a cut are traced.
+"""Capture a model's graph with torch.fx for splitting: only modules that contain a cut are
+traced.
 
-Internal to conveyor.split: ``trace_graph`` returns the fx graph the split methods assign to
+Internal to conveyor.split: ``capture_graph`` returns the fx graph the split methods assign to
 stages, and turns a tracing failure into an error that names the operation, the module and
 the line of user code, and says how to avoid tracing it.
 """
@@ -90,7 +91,7 @@ class _Tracer(fx.Tracer):
         return result[0]
 
 
-def trace_graph(
+def capture_graph(
     model: nn.Module,
     split_points: Sequence[str] = (),
     concrete_args: dict[str, Any] | None = None,
