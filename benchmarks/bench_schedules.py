@@ -46,7 +46,7 @@ from ootb import (
     run_round,
     shared,
 )
-from report import write_section
+from report import bootstrap_interval, publishable, write_section
 
 PEER_NAMES = {name: cls for name, (_, _, cls) in SCHEDULES.items()}
 
@@ -55,12 +55,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--microbatches", default="8,4")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--section", default="schedules")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
+    parser.add_argument(
+        "--force", action="store_true", help="publish even if the load average exceeded 1.5"
+    )
     parser.add_argument("--save", help="write the raw results here (JSON) after every run")
     parser.add_argument("--render", help="report the results --save wrote instead of running")
     parser.add_argument("--plan", help="run this plan file as the planned row (default: plan now)")
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = [(s, m) for m in counts for s in args.schedules.split(",")]
     systems = args.systems.split(",")
     started, loads = time.perf_counter(), [load_average()]
+    print(f"load average before: {loads[0]:.2f}", flush=True)
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in [*systems, "plain"]}
     plan = None if args.no_plan or args.render else json.loads(make_plan(args.plan).read_text())
     if args.render:  # a saved run (--save), perhaps cut short: its finished rounds
@@ -109,9 +113,11 @@ def main(argv: list[str] | None = None) -> None:
                     "command": command,
                 }  # fmt: skip
                 Path(args.save).write_text(json.dumps(raw))
+    loads.append(load_average())
+    print(f"load average after: {loads[-1]:.2f}", flush=True)
     text = render(args, command, configs, rounds, loads, time.perf_counter() - started, plan)
     print(text)
-    if not args.no_write:
+    if not args.no_write and publishable(loads, args.force):
         write_section(args.section, text)
 
 
@@ -151,7 +157,8 @@ def render(
         "on the same micro-batches x m / (m + 1). Losses: first step, conveyor vs torch.",
         "",
         "| schedule | m | conveyor ms | torch ms (class) | conveyor speed-up = torch ms / "
-        "conveyor ms (per round) | conveyor % of ideal | keep_host_memory=False ms | "
+        "conveyor ms [95% bootstrap interval of the median] (per round) | conveyor % of "
+        "ideal | keep_host_memory=False ms | "
         "keep_host_memory speed-up = off ms / on ms | first loss conveyor / torch |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -284,7 +291,9 @@ def row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]], batch: i
     def ratio(a: list[float], b: list[float]) -> str:
         return f"{statistics.median(a) / statistics.median(b):.2f}" if a and b else "-"
 
-    per_round = ", ".join(f"{t / o:.2f}" for o, t in zip(ours, theirs, strict=False))
+    ratios = [t / o for o, t in zip(ours, theirs, strict=False)]
+    per_round = ", ".join(f"{r:.2f}" for r in ratios)
+    low, high = bootstrap_interval(ratios) if ratios else (float("nan"), float("nan"))
     ideal = statistics.median(plain) / RANKS * (m + RANKS - 1) / m if plain else None
     share = f"{ideal / statistics.median(ours):.0%}" if ideal and ours else "-"
 
@@ -294,7 +303,8 @@ def row(schedule: str, m: int, rounds: dict[str, list[dict[str, Any]]], batch: i
 
     return (
         f"| {schedule} | {m} | {ms(ours)} | {ms(theirs)} ({PEER_NAMES[schedule]}) | "
-        f"**{ratio(theirs, ours)}** ({per_round}) | {share} | {ms(off)} | {ratio(off, ours)} | "
+        f"**{ratio(theirs, ours)}** [{low:.2f}, {high:.2f}] ({per_round}) | {share} | "
+        f"{ms(off)} | {ratio(off, ours)} | "
         f"{loss('conveyor')} / {loss('torch')} |"
     )
 

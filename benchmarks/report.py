@@ -7,7 +7,7 @@ import re
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_section"]
+__all__ = ["BUSY", "bootstrap_interval", "publishable", "write_section"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = (
@@ -27,3 +27,36 @@ def write_section(name: str, markdown: str) -> None:
     with tempfile.NamedTemporaryFile("w", dir=DOC.parent, delete=False, suffix=".tmp") as tmp:
         tmp.write(text)
     os.replace(tmp.name, DOC)
+
+
+def bootstrap_interval(
+    values: list[float], confidence: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of ``values`` (per-round ratios)."""
+    import random
+    import statistics
+
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    low = medians[int((1 - confidence) / 2 * resamples)]
+    high = medians[int((1 + confidence) / 2 * resamples) - 1]
+    return low, high
+
+
+BUSY = 1.5
+"""Load average above which a benchmark does not publish its figures unless told to."""
+
+
+def publishable(loads: list[float], force: bool) -> bool:
+    """Whether figures measured at these load averages may be published (print why not)."""
+    if max(loads) <= BUSY or force:
+        return True
+    print(
+        f"not published: the load average reached {max(loads):.2f} (above {BUSY}): other work "
+        "shared the cores; rerun on a quiet machine, or pass --force to publish it marked"
+    )
+    return False
