@@ -168,7 +168,8 @@ class Checkpointer:
             timeout=self.timeout,
         )
         # a lost peer ends the waits of a save in flight at once; See Note [one deadline]
-        pipe.peers.close_with(functools.partial(close_group, self._group), on_abandon=False)
+        self._close_group = functools.partial(close_group, self._group)
+        pipe.peers.close_with(self._close_group, on_abandon=False)
         self._ranks = dist.get_process_group_ranks(self._group)
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
@@ -288,6 +289,16 @@ class Checkpointer:
             self._lock.release()
             for hook in self._hooks:
                 hook.remove()
+            self._release_group()
+
+    def _release_group(self) -> None:
+        """Destroy the checkpoint group and drop every reference to it: torch then joins its
+        gloo threads now, not while the interpreter exits (See Note [threads at exit])."""
+        self.pipe.peers.forget(self._close_group)
+        group = self._group
+        del self._group, self._close_group
+        with contextlib.suppress(ValueError, KeyError, RuntimeError):  # the world is gone
+            dist.destroy_process_group(group)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -739,12 +750,14 @@ def _check_optimizer(optimizer: torch.optim.Optimizer | None, module: torch.nn.M
 
 
 def _report_unfinished(reference: weakref.ref[Checkpointer]) -> None:
-    """At exit: say so if a save was never waited for (its error would go unseen)."""
+    """At exit: close a Checkpointer left open, so its group's threads are joined before the
+    interpreter finalizes (See Note [threads at exit] in conveyor.runtime.peers), and say so
+    if its last save failed (its error would go unseen)."""
     checkpointer = reference()
-    if checkpointer is None or checkpointer._pending is None:
+    if checkpointer is None or checkpointer._closed:
         return
     try:
-        checkpointer.wait()
+        checkpointer.close()
     except Exception as error:
         logger.error(
             "the last checkpoint failed (call Checkpointer.close() to see this as "
