@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 
@@ -87,6 +88,35 @@ def test_counts_take_whole_floats_and_refuse_the_rest() -> None:
         PipelineConfig(num_microbatches=42.5)
     with pytest.raises(TypeError, match="num_microbatches must be an integer, got str '4'"):
         PipelineConfig(num_microbatches="4")  # type: ignore[arg-type]  # wrong on purpose
+
+
+# str() of a str mixed with Enum says '_Mode.ALWAYS'; its value is the mode
+class _Mode(str, enum.Enum):  # noqa: UP042  # not StrEnum: its str() is the value
+    ALWAYS = "always"
+
+
+class _Named:  # torchgpipe reads the mode with str(), so its users pass such objects
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@pytest.mark.parametrize("given", [_Named("except_last"), _Mode.ALWAYS, _Named("never")])
+def test_checkpoint_takes_an_object_whose_str_is_a_mode_as_that_mode(given: object) -> None:
+    config = PipelineConfig(checkpoint=given)  # type: ignore[arg-type]  # what torchgpipe takes
+    assert type(config.checkpoint) is str
+    assert config.checkpoint == (given.value if isinstance(given, _Mode) else str(given))
+    assert json.loads(json.dumps(config.to_dict()))["checkpoint"] == config.checkpoint
+
+
+def test_checkpoint_refuses_an_object_whose_str_is_no_mode() -> None:
+    named = r"got <.*_Named object at .*>, whose str\(\) is 'sometimes'"
+    with pytest.raises(ValueError, match=named):
+        PipelineConfig(checkpoint=_Named("sometimes"))  # type: ignore[arg-type]  # on purpose
+    with pytest.raises(ValueError, match=r"checkpoint must be one of .*, got 1$"):
+        PipelineConfig(checkpoint=1)  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_plain_data_round_trips_and_unknown_fields_are_named() -> None:

@@ -198,10 +198,7 @@ class TrainingConfig:
         object.__setattr__(self, "seed", _whole("seed", self.seed))
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        if self.checkpoint not in RECOMPUTE_MODES:
-            raise ValueError(
-                f"checkpoint must be one of {list(RECOMPUTE_MODES)}, got {self.checkpoint!r}"
-            )
+        object.__setattr__(self, "checkpoint", _recompute_mode(self.checkpoint))
         if self.stage_checkpoint is not None:
             wrong = [m for m in self.stage_checkpoint if m not in RECOMPUTE_MODES]
             if wrong:
@@ -376,6 +373,18 @@ def _sequence_fields() -> dict[str, str]:
         for name, hint in hints.items()
         if any(typing.get_origin(a) is tuple for a in (hint, *typing.get_args(hint)))
     }
+
+
+def _recompute_mode(value: Any) -> RecomputeMode:
+    """``checkpoint`` as a plain mode name: a name passes, and so does an object whose
+    ``str()`` is one (torchgpipe reads the mode with ``str()``, so its users pass enums)."""
+    # a str mixed with Enum says 'Mode.NEVER' as str(): a str's own text is its value
+    text = str.__str__(value) if isinstance(value, str) else str(value)
+    for mode in RECOMPUTE_MODES:
+        if text == mode:
+            return mode
+    said = "" if isinstance(value, str) or text == repr(value) else f", whose str() is {text!r}"
+    raise ValueError(f"checkpoint must be one of {list(RECOMPUTE_MODES)}, got {value!r}{said}")
 
 
 def _whole(name: str, value: Any) -> int:
