@@ -229,6 +229,11 @@ DAMAGE = {
         lambda c: (c / "manifest.json").write_text('{"format": 1'),
         r"manifest\.json: is not a valid conveyor manifest",
     ),
+    "manifest of another step": (
+        lambda c: shutil.copy(c.parent / "step-00000002" / "manifest.json", c),
+        r"manifest\.json: belongs to step 2, but the directory step-00000004 is step 4's: the "
+        r"manifest was copied from another checkpoint, or the directory was renamed",
+    ),
     "missing metadata": (
         lambda c: (c / ".metadata").unlink(),
         r"\.metadata: the coordinator's index file is missing",

@@ -166,11 +166,23 @@ def read_manifest(path: Path) -> Manifest:
     except OSError as error:
         raise CheckpointError(path, MANIFEST, f"cannot be read: {error}") from error
     try:
-        return Manifest.from_json(text)
+        manifest = Manifest.from_json(text)
     except (ValueError, TypeError, KeyError) as error:
         raise CheckpointError(
             path, MANIFEST, f"is not a valid conveyor manifest ({error}); the file is damaged"
         ) from error
+    named = _STEP_DIR.match(path.name)
+    if named is not None and int(named.group(1)) != manifest.step:
+        # its files would fail their hashes, and read as damaged bytes: name the steps instead
+        raise CheckpointError(
+            path,
+            MANIFEST,
+            f"belongs to step {manifest.step}, but the directory {path.name} is step "
+            f"{int(named.group(1))}'s: the manifest was copied from another checkpoint, or the "
+            f"directory was renamed; put back the manifest saved with step "
+            f"{int(named.group(1))}, or move the checkpoint to {step_dir_name(manifest.step)}",
+        )
+    return manifest
 
 
 def _owner(name: str, entry: FileEntry) -> str:
