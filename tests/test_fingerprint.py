@@ -4,6 +4,7 @@ or modes fail together with the same message, before any activation moves."""
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import conveyor
-from conveyor.runtime.fingerprint import Fingerprint, fingerprint
+from conveyor.runtime.fingerprint import Fingerprint, fingerprint, initial_digest
 from dist import run_ranks
 from test_pipeline import check_step, tiny
 
@@ -82,3 +83,48 @@ def _different_batches(rank: int, world_size: int) -> None:
 @pytest.mark.dist
 def test_ranks_given_different_batches_fail_together(tmp_path: Path) -> None:
     run_ranks(_different_batches, tmp_path, 2, timeout_s=60)
+
+
+def _linears(seed: int, depth: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(depth)])
+
+
+def test_the_initial_digest_tells_two_seeds_apart_and_skips_the_meta_device() -> None:
+    assert initial_digest([_linears(0)]) == initial_digest([_linears(0)]) != 0
+    assert initial_digest([_linears(0)]) != initial_digest([_linears(1)])
+    model = _linears(0)
+    assert initial_digest([model, model[0]]) == initial_digest([model])  # each tensor once
+    with torch.device("meta"):
+        assert initial_digest([nn.Linear(8, 8)]) == 0  # nothing to compare
+    torch.manual_seed(1)
+    ones = initial_digest([Scale()])
+    torch.manual_seed(2)
+    assert initial_digest([Scale()]) == ones  # values no seed draws are alike anyway
+
+
+def _seeded_apart(rank: int, world_size: int) -> None:
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("conveyor.runtime.fingerprint").addHandler(handler)
+    conveyor.Pipeline(_linears(seed=rank), num_microbatches=2, loss_fn=F.mse_loss)
+    if rank == 0:  # the group's rank 0 says it, once
+        (message,) = warnings
+        assert "ranks [0] built one, ranks [1] another" in message
+        assert "ranks seeded differently (torch.manual_seed(rank)) build different" in message
+        assert "Seed every rank alike before building the model" in message
+    assert len(warnings) == (1 if rank == 0 else 0)
+    warnings.clear()
+    conveyor.Pipeline(_linears(seed=0), num_microbatches=2, loss_fn=F.mse_loss)
+    with torch.device("meta"):  # each rank materializes its own stages: nothing to compare
+        built = _linears(seed=rank)
+    conveyor.Pipeline(built, num_microbatches=2, loss_fn=F.mse_loss)
+    assert warnings == []
+
+
+@pytest.mark.dist
+def test_ranks_seeded_apart_are_warned_that_their_stages_come_from_other_models(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_seeded_apart, tmp_path, 2, timeout_s=60)

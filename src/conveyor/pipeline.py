@@ -36,7 +36,13 @@ from conveyor.program import Program
 from conveyor.runtime import microbatch
 from conveyor.runtime.batchnorm import DeferredBatchNorm
 from conveyor.runtime.comm import P2P, Meta
-from conveyor.runtime.fingerprint import autocast_state, digest, fingerprint
+from conveyor.runtime.fingerprint import (
+    autocast_state,
+    digest,
+    fingerprint,
+    initial_digest,
+    warn_other_initializations,
+)
 from conveyor.runtime.host_memory import keep_freed_memory
 from conveyor.runtime.interpreter import LossFn, Runtime, RuntimeHooks, StepInputs
 from conveyor.runtime.loss import LossReduction, counted_tokens, loss_weights
@@ -142,6 +148,8 @@ class Pipeline:
         if not isinstance(model, StageGraph):
             config = self.config = _with_layout(config, self.num_ranks)
         self._model = model
+        held = [model] if isinstance(model, nn.Module) else [s.module for s in model.stages]
+        initial = 0 if weights is not None else initial_digest(m for m in held if m is not None)
         planned = os.environ.get(PLAN_ENV) or (
             None if set(options) & set(get_args(SplitMethod)) else plan
         )  # the plan file the split comes from, if any
@@ -193,6 +201,7 @@ class Pipeline:
         p2p = self._p2p = P2P(group, self.device, timedelta(seconds=config.timeout_s))
         self.peers = p2p.peers
         """Names lost peers in errors (conveyor.runtime.peers); the Checkpointer uses it too."""
+        warn_other_initializations(p2p, initial)  # See Note [one initialization]
         if self.mesh is not None:  # messages place ranks by stage: See Note [rank names]
             self.mesh.stages_on = self.graph.stages_on
         self.ties = TiedWeights(ties, self.graph, self.rank, self.stages, p2p)

@@ -3,6 +3,7 @@
     mine = fingerprint(bound_inputs, targets, True, device, batch_size)
     agree(p2p, mine, "step 3")   # on every rank before the step's first message; raises if
                                  # any rank's fingerprint differs
+    warn_other_initializations(p2p, initial_digest([model]))   # the same model, at construction
 
 A pipeline is not data parallel: the first stage's rank reads the inputs and the last stage's
 rank the targets, so ranks given different batches (code ported from data-parallel training,
@@ -14,12 +15,15 @@ gloo answers by aborting the process. See Note [batch fingerprint].
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parameter import UninitializedParameter
 
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.peers import StepRefused
@@ -36,8 +40,12 @@ __all__ = [
     "exchange",
     "exchange_settings",
     "fingerprint",
+    "initial_digest",
     "settings_difference",
+    "warn_other_initializations",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class BatchMismatchError(ValueError, StepRefused):
@@ -248,6 +256,68 @@ def exchange(p2p: P2P, message: torch.Tensor, what: str) -> dict[int, torch.Tens
     theirs = {peer: p2p.wait(receive) for peer, receive in posted}
     p2p.wait_sends()
     return theirs
+
+
+# Note [one initialization]:
+# Every rank builds the whole model and keeps its own stages, so the stages are those of one
+# model only if every rank built the same one. Ranks seeded apart (torch.manual_seed(rank), as
+# data-parallel scripts do for their data) or weights loaded on one rank only give each stage
+# its own rank's model, and nothing fails: training runs, from an initialization no single
+# model has, unlike the same script on one process. The whole model is at hand on every rank
+# at construction, so the ranks compare a digest of its parameters there: a few values of each
+# at fixed places, which any two random initializations differ in (a cost of microseconds per
+# parameter, and one small message each way). Tensors on the meta device are left out: each
+# rank materializes its own stages from them, which no digest of the model can compare. A
+# warning, not an error: weights loaded into every stage after construction make it moot.
+_SAMPLES = 8
+"""Values of each parameter in the digest, at evenly spaced places."""
+
+
+def initial_digest(modules: Iterable[nn.Module]) -> int:
+    """A digest of the parameters of ``modules`` (a few values of each); 0 when there are
+    none to compare (all on the meta device). See Note [one initialization]."""
+    hasher = hashlib.blake2b(digest_size=8)
+    seen: set[int] = set()
+    for module in modules:
+        for param in module.parameters():
+            if id(param) in seen or param.is_meta or isinstance(param, UninitializedParameter):
+                continue
+            seen.add(id(param))
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]
+            hasher.update(sample.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    if not seen:
+        return 0
+    return (int.from_bytes(hasher.digest(), "little") >> 1) or 1
+
+
+def warn_other_initializations(p2p: P2P, mine: int) -> None:
+    """Exchange every rank's ``initial_digest`` over ``p2p``'s group; the group's rank 0 warns
+    when ranks built the model with other initial parameters. Collective: every rank calls it
+    (with 0 when it has nothing to compare). See Note [one initialization]."""
+    message = torch.tensor([mine], dtype=torch.int64)
+    received = exchange(p2p, message, "the digest of the model's initial parameters")
+    if p2p.rank != 0:
+        return
+    digests = {p2p.rank: mine} | {peer: int(t[0]) for peer, t in received.items()}
+    models: dict[int, list[int]] = {}
+    for rank, value in sorted(digests.items()):
+        if value:
+            models.setdefault(value, []).append(rank)
+    if len(models) < 2:
+        return
+    first, *others = models.values()
+    built = f"ranks {first} built one, " + ", ".join(f"ranks {ranks} another" for ranks in others)
+    logger.warning(
+        "rank %d: the ranks built the model with other initial parameters (%s), so each "
+        "stage starts from its own rank's model, not from one model's initialization: "
+        "ranks seeded differently (torch.manual_seed(rank)) build different "
+        "models. Seed every rank alike before building the model, or load the same weights "
+        "on every rank (weights=...; after construction, pipe.load_state_dict or a "
+        "checkpoint, and then ignore this)",
+        p2p.rank,
+        built,
+    )
 
 
 def _difference(rank: int, peer: int, mine: Fingerprint, other: Fingerprint, what: str) -> str:
