@@ -10,6 +10,12 @@ it into a ``Program`` (conveyor.program), then run it (``runtime``) or ``simulat
 give a ``Timeline`` (conveyor.trace). Around them: ``planner``, ``checkpoint``, ``cli``.
 """
 
+import importlib
+import sys
+import types
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from conveyor.checkpoint import Checkpointer, CheckpointError
 from conveyor.config import CheckpointConfig, PipelineConfig
 from conveyor.data import ResumableLoader
@@ -61,3 +67,48 @@ __all__ = [
     "validate",
     "verify_skips",
 ]
+
+# Modules the re-layout into packages moved (commit b866415): their old names still import,
+# as aliases that warn when a name is read from them. ``conveyor.plan`` stays the function
+# above; ``from conveyor.plan import ...`` reads the planner's names.
+_MOVED = {
+    "autosplit": "conveyor.split.auto",
+    "batchnorm": "conveyor.runtime.batchnorm",
+    "partition": "conveyor.planner.partition",
+    "plan": "conveyor.planner",
+    "profile": "conveyor.planner.profile",
+    "skip": "conveyor.split.skip",
+}
+
+
+def _moved(old: str) -> types.ModuleType:
+    """The alias of the moved module ``conveyor.<old>``: a name read from it is the new
+    module's, with a DeprecationWarning naming the new module."""
+    new = _MOVED[old]
+    alias = types.ModuleType(f"conveyor.{old}", f"Moved to {new}; this alias warns.")
+
+    def read(name: str) -> Any:
+        if name.startswith("__") and name != "__all__":  # tools probing modules: no warning
+            raise AttributeError(name)
+        warnings.warn(
+            f"conveyor.{old} moved to {new}: import from {new} instead "
+            f"(the old name will be removed)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(new), name)
+
+    vars(alias)["__getattr__"] = read
+    return alias
+
+
+for _old in _MOVED:
+    sys.modules.setdefault(f"conveyor.{_old}", _moved(_old))
+
+if not TYPE_CHECKING:  # to type checkers, conveyor has only the names above
+
+    def __getattr__(name: str) -> Any:
+        """``conveyor.autosplit`` and the other moved modules, as their aliases."""
+        if name in _MOVED:
+            return sys.modules[f"conveyor.{name}"]
+        raise AttributeError(f"module 'conveyor' has no attribute {name!r}")
