@@ -69,6 +69,8 @@ class Spec:
     out: str = ""
     store: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    balances: dict[str, list[int]] = field(default_factory=dict)
+    """Layers per stage by schedule, for conveyor and torch alike (default: ``balance``)."""
 
 
 def gpt_module() -> Any:
@@ -86,6 +88,11 @@ def balance(layers: int, num_stages: int) -> list[int]:
     blocks[0] += 1
     blocks[-1] += 1
     return blocks
+
+
+def balance_for(spec: Spec, schedule: str) -> list[int]:
+    """The layers per stage ``spec`` gives for ``schedule``, else blocks spread evenly."""
+    return spec.balances.get(schedule) or balance(spec.layers, SCHEDULES[schedule][0] * RANKS)
 
 
 def placement(schedule: str) -> list[int]:
@@ -138,9 +145,8 @@ def conveyor_step(spec: Spec, schedule: str, m: int, gpt: Any, **options: Any) -
             model(spec, gpt), plan=spec.plan, loss_fn=gpt.gpt_loss, timeout_s=300, **options
         )
     else:
-        stages = SCHEDULES[schedule][0] * RANKS
         pipe = conveyor.Pipeline(
-            model(spec, gpt), balance=balance(spec.layers, stages), schedule=schedule,
+            model(spec, gpt), balance=balance_for(spec, schedule), schedule=schedule,
             num_microbatches=m, loss_fn=gpt.gpt_loss, timeout_s=300, **options,
         )  # fmt: skip
     return training_step(pipe, spec)
@@ -170,7 +176,7 @@ def torch_step(spec: Spec, schedule: str, m: int, gpt: Any) -> Step:
     rank = dist.get_rank()
     layers = list(model(spec, gpt).children())
     bounds = [0]
-    for count in balance(spec.layers, num_stages):
+    for count in balance_for(spec, schedule):
         bounds.append(bounds[-1] + count)
     local = [s for s in range(num_stages) if ranks[s] == rank]
     modules = [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in local]

@@ -1,0 +1,213 @@
+"""A large-vocabulary LLM split by measured cost: conveyor's cost-balanced split against its even
+split, and torch.distributed.pipelining on the even split and on the best split by hand.
+
+    python benchmarks/bench_llm_balance.py              # 1f1b and zb-v, m = 8, 5 rounds
+    python benchmarks/bench_llm_balance.py --quick      # one short round, docs left alone
+
+The model is conveyor's benchmark GPT (benchmarks/ootb.py) with a Llama-sized vocabulary of
+32,768 tokens: embedding, 8 blocks of width 256, head; its head and loss cost many blocks.
+Before the rounds, ``conveyor.split.balance.balance_by_cost`` measures its layers in this
+process (one thread, freed host memory kept, as a conveyor rank runs) and chooses the
+balance per schedule; that balance is passed as ``balance=`` (the Pipeline does not call it
+by itself yet). Each system then runs in fresh processes of its own (2 gloo ranks, 1 thread
+each; torch's never import conveyor), the four rows alternating round by round. Results go to
+the `llm-balance` section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ootb import (
+    RANKS,
+    SCHEDULES,
+    Spec,
+    batch,
+    gpt_module,
+    load_average,
+    medians,
+    model,
+    placement,
+    run_round,
+    shared,
+)
+from report import bootstrap_interval, publishable, write_section
+
+VOCAB = 32768
+HAND = {"1f1b": [9, 1]}
+"""The best split by hand, measured from outside (issue 32): the embedding and 8 blocks, then
+the head alone; other schedules take the cost-balanced split by hand."""
+ROWS = ("conveyor cost-balanced", "conveyor even", "torch even", "torch by hand")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="1f1b,zb-v")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps, no writing")
+    parser.add_argument("--section", default="llm-balance")
+    parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
+    parser.add_argument(
+        "--force", action="store_true", help="publish even if the load average exceeded 1.5"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup, args.no_write = 1, 2, 1, True
+    return args
+
+
+def choose(schedules: list[str], m: int) -> tuple[dict[str, Any], float]:
+    """The cost-balanced split of each schedule, chosen in this process as a rank would; and
+    the seconds the measurement took."""
+    from conveyor.runtime.host_memory import keep_freed_memory
+    from conveyor.split.balance import balance_by_cost
+
+    torch.set_num_threads(1)
+    keep_freed_memory()  # as a conveyor rank runs by default
+    spec = Spec("conveyor", [], vocab=VOCAB)
+    gpt = gpt_module()
+    x, y = batch(spec)
+    net = model(spec, gpt)
+    began = time.perf_counter()
+    choices = {}
+    for schedule in schedules:
+        ranks = placement(schedule)
+        choices[schedule] = balance_by_cost(
+            net, len(ranks), x, loss_fn=gpt.gpt_loss, targets=y, num_microbatches=m,
+            placement=ranks,
+        )  # fmt: skip
+        print(f"{schedule}: {choices[schedule]}", flush=True)
+    return choices, time.perf_counter() - began
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    command = shlex.join(["python", "benchmarks/bench_llm_balance.py", *(argv or sys.argv[1:])])
+    schedules = args.schedules.split(",")
+    unknown = sorted(set(schedules) - set(SCHEDULES))
+    if unknown:
+        raise SystemExit(f"unknown schedules {unknown}; expected some of {sorted(SCHEDULES)}")
+    from conveyor.split import even_balance
+
+    started, loads = time.perf_counter(), [load_average()]
+    print(f"load average before: {loads[0]:.2f}", flush=True)
+    choices, profile_s = choose(schedules, args.microbatches)
+    layers = Spec("", []).layers + 2
+    splits = {
+        "conveyor cost-balanced": {s: list(choices[s].balance) for s in schedules},
+        "conveyor even": {s: even_balance(layers, len(placement(s))) for s in schedules},
+    }
+    splits["torch even"] = splits["conveyor even"]
+    splits["torch by hand"] = {s: HAND.get(s, list(choices[s].balance)) for s in schedules}
+    configs = [(s, args.microbatches) for s in schedules]
+    rounds: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
+    for index in range(args.rounds):
+        order = ROWS[index % len(ROWS) :] + ROWS[: index % len(ROWS)]
+        for row in order:  # alternate, so drift in the machine hits every row
+            system = row.split()[0]
+            spec = Spec(
+                system, configs, vocab=VOCAB, warmup=args.warmup, steps=args.steps,
+                balances=splits[row],
+            )  # fmt: skip
+            result = run_round(spec)
+            if "error" in result:
+                raise SystemExit(f"{row} failed: {result['error']}")
+            if system == "torch":
+                assert not result["conveyor_imported"], "the peer's processes imported conveyor"
+            rounds[row].append(result)
+            loads.append(load_average())
+            print(f"round {index} {row}: load {loads[-1]:.1f}", flush=True)
+    loads.append(load_average())
+    print(f"load average after: {loads[-1]:.2f}", flush=True)
+    seconds = time.perf_counter() - started
+    text = render(args, command, configs, splits, choices, profile_s, rounds, loads, seconds)
+    print(text)
+    if not args.no_write and publishable(loads, args.force):
+        write_section(args.section, text)
+
+
+def render(
+    args: argparse.Namespace,
+    command: str,
+    configs: list[tuple[str, int]],
+    splits: dict[str, dict[str, list[int]]],
+    choices: dict[str, Any],
+    profile_s: float,
+    rounds: dict[str, list[dict[str, Any]]],
+    loads: list[float],
+    seconds: float,
+) -> str:
+    spec = Spec("", [], vocab=VOCAB)
+    load_note = (
+        f" — the CPU was shared with other work (load above the benchmark's {RANKS} ranks), "
+        "so step times are noisier and slower than on an idle machine; ratios come from "
+        "alternating rounds."
+        if shared(loads)
+        else "."
+    )
+    lines = [
+        "## A large-vocabulary LLM: the split by measured cost, conveyor and "
+        "torch.distributed.pipelining",
+        "",
+        f"Command: `{command}` ({seconds / 60:.1f} min) on {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores, torch {torch.__version__}. Load average (1 min) during "
+        f"the run: {min(loads):.1f} to {max(loads):.1f}{load_note}",
+        "",
+        f"GPT: embedding, {spec.layers} blocks (d_model {spec.dim}, {spec.heads} heads), head; "
+        f"sequence {spec.seq_len}, vocabulary {VOCAB}, no dropout; batch {spec.batch}; SGD. "
+        f"{RANKS} gloo ranks of 1 thread each, one stage per rank for 1f1b, two (V) for zb-v. "
+        "Cost-balanced: `conveyor.split.balance.balance_by_cost` on one micro-batch, in one "
+        f"process before the rounds ({profile_s:.1f} s for every schedule), passed as "
+        "`balance=`; even: what conveyor picks with no balance (`even_balance`); by hand: "
+        f"{HAND} (other schedules: the cost-balanced split). Each row in fresh processes, "
+        f"alternating, {len(rounds[ROWS[0]])} rounds of {args.steps} steps after "
+        f"{args.warmup} warm-up; step = slowest rank's zero_grad + step + optimizer.step "
+        "between barriers; figures are medians over rounds of each round's median.",
+        "",
+        *(f"- {schedule}: {choice}" for schedule, choice in choices.items()),
+        "",
+        "| schedule | m | row | layers per stage | ms per step | speed-up of conveyor "
+        "cost-balanced = row ms / its ms [95% bootstrap interval of the median] (per round) "
+        "| first loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for schedule, m in configs:
+        key = f"{schedule}/{m}"
+        ours = medians(rounds[ROWS[0]], key)
+        for row in ROWS:
+            times = medians(rounds[row], key)
+            ratios = [t / o for o, t in zip(ours, times, strict=False)]
+            low, high = bootstrap_interval(ratios) if ratios else (float("nan"),) * 2
+            per_round = ", ".join(f"{r:.2f}" for r in ratios)
+            speedup = (
+                "-"
+                if row == ROWS[0] or not ratios
+                else f"**{statistics.median(times) / statistics.median(ours):.2f}** "
+                f"[{low:.2f}, {high:.2f}] ({per_round})"
+            )
+            found = [r["results"][key]["loss"] for r in rounds[row]]
+            loss = f"{found[0]:.4f}" if found and found[0] is not None else "-"
+            ms = f"{statistics.median(times) * 1e3:.0f}" if times else "-"
+            lines.append(
+                f"| {schedule} | {m} | {row} | {splits[row][schedule]} | {ms} | {speedup} | "
+                f"{loss} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
