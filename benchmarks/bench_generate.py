@@ -39,12 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import DOC, write_section
 
 from conveyor.graph import chain
-from conveyor.inference import DecodePipeline, decode_program
-from conveyor.inference.models import as_causal_lm
-from conveyor.inference.pipeline import GenerationStats
+from conveyor.inference import decode_program
 from conveyor.inference.prompts import groups_of
 from conveyor.inference.schedule import decode_items
 from conveyor.models import gpt
+from conveyor.pipeline.decode import DecodePipeline, GenerationStats, as_causal_lm
 from conveyor.planner.calibrate import measure_link, measure_overheads
 from conveyor.planner.decode_cost import DecodeCost, StageFit, profile_stage
 from conveyor.planner.parallelism import STRATEGIES, Estimate, LayerCosts, compare

@@ -35,8 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section
 
-from conveyor.inference import DecodePipeline
-from conveyor.inference.models import as_causal_lm
+from conveyor.pipeline.decode import DecodePipeline, as_causal_lm
 from conveyor.planner.calibrate import measure_link
 from conveyor.planner.decode_cost import profile_stage
 from conveyor.planner.parallelism import LayerCosts, estimate

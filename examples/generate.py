@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import conveyor
-from conveyor.inference import DecodePipeline
 from conveyor.models import gpt, gpt_loss, text_batches
+from conveyor.pipeline.decode import DecodePipeline
 
 
 def text(ids: torch.Tensor) -> str:

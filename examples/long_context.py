@@ -16,7 +16,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from conveyor.inference import DecodePipeline
+from conveyor.pipeline.decode import DecodePipeline
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 import conveyor
 from conveyor.checkpoint import Checkpointer
 from conveyor.models import char_ids, gpt, gpt_loss
-from conveyor.training import Throughput
+from conveyor.pipeline.training import Throughput
 
 SEQ_LEN = 32
 

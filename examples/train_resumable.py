@@ -27,7 +27,7 @@ import conveyor
 from conveyor.checkpoint import Checkpointer
 from conveyor.data import ResumableLoader
 from conveyor.models import char_ids, gpt, gpt_loss
-from conveyor.runtime.faults import attempt
+from conveyor.pipeline.faults import attempt
 
 
 class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -59,5 +59,7 @@ def test_forward_only_has_no_backward() -> None:
 
 
 def test_one_f_one_b_refuses_virtual_stages() -> None:
-    with pytest.raises(ValueError, match="interleaved"):
+    with pytest.raises(ValueError, match="runs one stage per rank"):
         one_f_one_b(chain(4, num_ranks=2), 4)
+    with pytest.raises(ValueError, match="interleaved"):  # the registry names the alternatives
+        SCHEDULES["1f1b"](chain(4, num_ranks=2), 4)

@@ -11,8 +11,8 @@ from conveyor import Pipeline
 from conveyor.checkpoint import Checkpointer, CheckpointError
 from conveyor.cli import main
 from conveyor.cli.generate import GenerateJob, load_model
-from conveyor.inference import generate
 from conveyor.models import gpt, gpt_loss
+from conveyor.pipeline.decode import generate
 
 
 def test_simulate_draws_a_decode_program(capsys: pytest.CaptureFixture[str]) -> None:

@@ -180,7 +180,7 @@ def test_bad_plan_files_are_named(tmp_path: Path) -> None:
 
 
 def test_a_mesh_error_names_the_plan_file_that_sized_the_mesh(tmp_path: Path) -> None:
-    from conveyor.pipeline import _blame_plan
+    from conveyor.pipeline.build import blame_plan as _blame_plan
 
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"pipeline": {"dp": 4, "schedule": "1f1b"}}))

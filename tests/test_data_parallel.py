@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import conveyor
-from conveyor.inference import generate
 from conveyor.models import gpt
+from conveyor.pipeline.decode import generate
 from conveyor.runtime.loss import IGNORE_INDEX
 from dist import run_ranks
 

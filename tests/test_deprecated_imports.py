@@ -13,6 +13,14 @@ MOVED = [
     ("plan", "conveyor.planner", "PlanReport"),
     ("profile", "conveyor.planner.profile", "profile_model"),
     ("skip", "conveyor.split.skip", "skippable"),
+    ("huggingface", "conveyor.hf.loss", "label_counts"),
+    ("weights", "conveyor.pipeline.weights", "WeightFiles"),
+    ("training", "conveyor.pipeline.training", "Throughput"),
+    ("inference.pipeline", "conveyor.pipeline.decode", "DecodePipeline"),
+    ("inference.hf", "conveyor.hf.decode", "ADAPTERS"),
+    ("inference.parallelism", "conveyor.planner.parallelism", "compare"),
+    ("runtime.faults", "conveyor.pipeline.faults", "install"),
+    ("planner.mesh", "conveyor.planner.layouts", "plan_mesh"),
 ]
 
 

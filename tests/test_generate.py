@@ -1,6 +1,6 @@
 """Generation: tokens equal independent references (Hugging Face's generate, full recomputation
 without a cache, a plain sampling loop over Hugging Face's warpers) on one process and on 2
-and 4 ranks; errors before any message (conveyor.inference.pipeline and its adapters)."""
+and 4 ranks; errors before any message (conveyor.pipeline.decode and its adapters)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from torch import nn
 
 import conveyor
 from conveyor import PeerLostError
-from conveyor.inference import DecodePipeline, GenerationConfig, generate
+from conveyor.inference import GenerationConfig
 from conveyor.inference.sampling import Sampler, filter_logits, sequence_seed
 from conveyor.models import gpt
+from conveyor.pipeline.decode import DecodePipeline, generate
 from conveyor.runtime.fingerprint import BatchMismatchError, CannotRunError
 from dist import run_ranks
 

@@ -1,4 +1,4 @@
-"""Generation for every decoder-only Hugging Face family conveyor adapts (conveyor.inference.hf):
+"""Generation for every decoder-only Hugging Face family conveyor adapts (conveyor.hf.decode):
 the tokens of tiny models of each family equal Hugging Face's own generate on one process
 and on 2 ranks, sliding windows crossed; an unsupported family is refused naming the registry."""
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.inference import Context, DecodePipeline, as_causal_lm, generate
-from conveyor.inference.hf import ADAPTERS
+from conveyor.hf.decode import ADAPTERS
+from conveyor.inference import Context
 from conveyor.inference.prompts import positions_of
+from conveyor.pipeline.decode import DecodePipeline, as_causal_lm, generate
 from dist import run_ranks
 from test_generate import SAMPLING, VOCAB, hf_sampling_reference
 
@@ -225,12 +226,12 @@ def test_a_family_without_an_adapter_is_refused_naming_the_registry() -> None:
 
     model = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=2))
     ids = torch.tensor([[1, 2, 3]])
-    registry = r"model types \['gemma2', .*'qwen2'\] \(conveyor\.inference\.hf\.ADAPTERS\)"
+    registry = r"model types \['gemma2', .*'qwen2'\] \(conveyor\.hf\.decode\.ADAPTERS\)"
     with pytest.raises(
         TypeError, match=registry + r", got 'bloom' \(BloomForCausalLM\)"
     ) as refused:
         generate(model, ids, max_new_tokens=1)
-    assert "subclass the nearest adapter, conveyor.inference.hf.HfGpt2" in str(refused.value)
+    assert "subclass the nearest adapter, conveyor.hf.decode.HfGpt2" in str(refused.value)
     assert "ADAPTERS['bloom'] = YourAdapter" in str(refused.value)
     assert "conveyor.inference.lm.CausalLM" in str(refused.value)
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import conveyor
-from conveyor.huggingface import label_counts
+from conveyor.hf.loss import label_counts
 from conveyor.split.export import export_model
 from dist import run_ranks
 

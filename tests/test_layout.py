@@ -1,6 +1,6 @@
 """The package layout itself: imports run one way, each module imports alone, one definition
 per Note, private torch APIs in one module, the public API in ``conveyor``, and the code
-formatted and linted as STYLE.md says."""
+formatted and linted as docs/development.md says."""
 
 from __future__ import annotations
 
@@ -70,6 +70,40 @@ def test_imports_run_one_way() -> None:
     for name in modules:
         if name not in state:
             visit(name, [name])
+
+
+LAYERS = [
+    "cli", "demo", "checkpoint", "planner", "pipeline", "hf", "inference", "models", "split",
+    "data", "parallel", "config", "schedule", "simulator", "runtime", "trace", "program",
+    "graph", "text", "files", "torch_compat",
+]  # fmt: skip
+"""conveyor's packages and top-level modules, top to bottom (docs/design.md, "Where things
+live"): each imports only what stands below it."""
+
+
+def test_packages_import_only_what_stands_below_them() -> None:
+    """Every import of one package (or top-level module) from another runs down LAYERS, at
+    any depth of the code, under ``if TYPE_CHECKING`` too."""
+    rank = {name: index for index, name in enumerate(LAYERS)}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts == ("__init__",):
+            continue  # conveyor's own __init__ is the public API: it may import anything
+        here = parts[0]
+        assert here in rank, f"{here} is in no layer: add it to LAYERS and docs/design.md"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in (n for n in names if n.split(".")[0] == "conveyor"):
+                there = name.split(".")[1] if "." in name else "conveyor"
+                assert there == here or rank.get(there, -1) > rank[here], (
+                    f"{path.relative_to(SRC)} imports {name}, which stands above it "
+                    f"({here} > {there} in LAYERS)"
+                )
 
 
 @pytest.mark.timeout(300)  # ~80 fresh imports of conveyor, in two interpreters at once

@@ -119,11 +119,13 @@ ENCODERS = [
 ]
 DECODERS = [
     # the decoder's embedding and its tied head on two ranks: a tie inside one stage that
-    # weights= fills is two parameters today (conveyor.weights wraps each name on its own)
+    # weights= fills is two parameters today (conveyor.pipeline.weights wraps each name on its own)
     Family("whisper", whisper, speech_batch, ["model.decoder.layers.0"]),
     Family("falcon", falcon, lambda: text_batch(), ["transformer.h.1"]),
 ]
 MEMORY_BERT = Family("bert", bert, lambda: text_batch(masked_lm=True), ["bert.encoder.layer.2"])
+TESTED = [f.name for f in [*ENCODERS, *DECODERS, MEMORY_BERT]] + ["mixtral"]
+"""Families built on the meta device, loaded with weights=, trained as plain here."""
 
 
 def _built_on_cpu(family: Family) -> nn.Module:

@@ -25,7 +25,7 @@ import conveyor
 from conveyor.checkpoint.writer import Writer
 from conveyor.cli.launch import failure_summary
 from conveyor.models import gpt_loss
-from conveyor.runtime import faults
+from conveyor.pipeline import faults
 from conveyor.runtime.peers import FAILURES_ENV, read_failure
 from test_checkpoint import Run, small_gpt, windows
 from test_faults import _stop_in_tied_sum

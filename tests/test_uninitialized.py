@@ -1,5 +1,5 @@
-"""Meta-device materialization (conveyor.weights, conveyor.uninitialized): torch's own
-initializers run, children before parents, and whatever nothing initialized is named until
+"""Meta-device materialization (conveyor.pipeline.weights, conveyor.pipeline.uninitialized): torch's
+own initializers run, children before parents, and whatever nothing initialized is named until
 something does."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.huggingface import initializer
-from conveyor.uninitialized import Unset
-from conveyor.weights import materialize
+from conveyor.hf.weights import initializer
+from conveyor.pipeline.uninitialized import Unset
+from conveyor.pipeline.weights import materialize
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Weights by the keys from_pretrained reads (conveyor.weight_keys): every tensor conveyor reads
+"""Weights by the keys from_pretrained reads (conveyor.hf.weights): every tensor conveyor reads
 for a model from a directory equals what ``from_pretrained`` loads from it, for families whose
 files name tensors otherwise than their modules (renamed heads, merged experts, one shared
 embedding for several names) and across base-model prefixes."""
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import conveyor
-from conveyor.weight_keys import key_map
-from conveyor.weights import WeightFiles, materialize
+from conveyor.hf.weights import key_map
+from conveyor.pipeline.weights import WeightFiles, materialize
 from dist import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -139,12 +139,12 @@ def test_a_base_model_checkpoint_fills_a_task_model_as_from_pretrained(
         else:
             assert tensor is not None, name
             torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
-    with caplog.at_level(logging.WARNING, logger="conveyor.weights"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.pipeline.weights"):
         torch.manual_seed(0)
         materialize(
             model,
             torch.device("cpu"),
-            initialize=conveyor.huggingface.initializer(model),
+            initialize=conveyor.hf.weights.initializer(model),
             files=files,
         )
     assert "classifier.weight" in caplog.text and "initialized" in caplog.text
@@ -173,12 +173,17 @@ def test_a_plain_model_reads_its_own_names_and_ties(tmp_path: Path) -> None:
     assert found.sources["1.weight"].keys == ("0.weight",)
 
 
+META_PIPELINES: dict[str, dict[str, Any]] = {
+    "gpt_neox": {"split_points": ["gpt_neox.layers.1"]},
+    "t5": {"stage_modules": ("shared,encoder", "decoder,lm_head")},
+    "bart": {"split_points": ["model.decoder"]},
+}
+"""Families built on the meta device whose Pipelines hold and train what from_pretrained
+loads (every tensor, the loss and every gradient)."""
+
+
 def _pipelines_read_from_pretrained(rank: int, world_size: int, directory: str) -> None:
-    cases: list[tuple[str, dict[str, Any]]] = [
-        ("gpt_neox", {"split_points": ["gpt_neox.layers.1"]}),
-        ("t5", {"stage_modules": ("shared,encoder", "decoder,lm_head")}),
-        ("bart", {"split_points": ["model.decoder"]}),
-    ]
+    cases = list(META_PIPELINES.items())
     ids = torch.randint(1, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
     for family, split in cases:
         path = Path(directory) / family

@@ -1,5 +1,5 @@
-"""Weights in files (conveyor.weights): a trained pipeline saves what ``from_pretrained`` reads,
-and a meta-device model loads per stage from a sharded checkpoint without any rank holding it
+"""Weights in files (conveyor.pipeline.weights): a trained pipeline saves what ``from_pretrained``
+reads, and a meta-device model loads per stage from a sharded checkpoint without any rank holding it
 whole."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _per_stage_load(rank: int, world_size: int, directory: str) -> None:
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(directory, max_shard_size="20MB")
     torch.distributed.barrier()
-    files = conveyor.weights.WeightFiles(directory)
+    files = conveyor.pipeline.weights.WeightFiles(directory)
     assert len(set(files.weight_map.values())) > 2, "the checkpoint is sharded"
     model_bytes = sum(files.get(name).nbytes for name in files.weight_map)  # type: ignore[union-attr]
     with torch.device("meta"):

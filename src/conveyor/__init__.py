@@ -5,7 +5,7 @@
     tokens = pipe.generate(prompts, max_new_tokens=32)   # KV cache per stage, groups in flight
     report = conveyor.plan(workload, num_ranks=2, memory_budget=2**30, batch_size=32)
 
-The flow (DESIGN.md): ``split`` a model into a ``StageGraph`` (conveyor.graph), ``schedule``
+The flow (docs/design.md): ``split`` a model into a ``StageGraph`` (conveyor.graph), ``schedule``
 it into a ``Program`` (conveyor.program), then run it (``runtime``) or ``simulate`` it; both
 give a ``Timeline`` (conveyor.trace). Around them: ``planner``, ``checkpoint``, ``cli``.
 """
@@ -20,8 +20,10 @@ from conveyor.checkpoint import Checkpointer, CheckpointError
 from conveyor.config import CheckpointConfig, PipelineConfig
 from conveyor.data import ResumableLoader
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain
-from conveyor.inference import DecodePipeline, GenerationConfig
+from conveyor.inference import GenerationConfig
 from conveyor.pipeline import Pipeline
+from conveyor.pipeline.decode import DecodePipeline
+from conveyor.pipeline.training import Throughput
 from conveyor.planner import PlanReport, Workload, plan, profile_model
 from conveyor.program import Action, Program
 from conveyor.runtime.batchnorm import DeferredBatchNorm
@@ -31,7 +33,6 @@ from conveyor.schedule import SCHEDULES, ProgramError, build_program, validate
 from conveyor.simulator import simulate
 from conveyor.split import pop, skippable, stash, verify_skips
 from conveyor.trace import Timeline
-from conveyor.training import Throughput
 
 __all__ = [
     "MODEL_OUTPUT",
@@ -68,9 +69,9 @@ __all__ = [
     "verify_skips",
 ]
 
-# Modules the re-layout into packages moved (commit b866415): their old names still import,
-# as aliases that warn when a name is read from them. ``conveyor.plan`` stays the function
-# above; ``from conveyor.plan import ...`` reads the planner's names.
+# Modules the re-layouts into packages moved (docs/design.md, "What moved"): their old names
+# still import, as aliases that warn when a name is read from them. ``conveyor.plan`` stays
+# the function above; ``from conveyor.plan import ...`` reads the planner's names.
 _MOVED = {
     "autosplit": "conveyor.split.auto",
     "batchnorm": "conveyor.runtime.batchnorm",
@@ -78,6 +79,19 @@ _MOVED = {
     "plan": "conveyor.planner",
     "profile": "conveyor.planner.profile",
     "skip": "conveyor.split.skip",
+    "huggingface": "conveyor.hf.loss",
+    "weight_keys": "conveyor.hf.weights",
+    "weights": "conveyor.pipeline.weights",
+    "uninitialized": "conveyor.pipeline.uninitialized",
+    "training": "conveyor.pipeline.training",
+    "inference.pipeline": "conveyor.pipeline.decode",
+    "inference.models": "conveyor.pipeline.decode",
+    "inference.hf": "conveyor.hf.decode",
+    "inference.cost": "conveyor.planner.decode_cost",
+    "inference.parallelism": "conveyor.planner.parallelism",
+    "runtime.faults": "conveyor.pipeline.faults",
+    "split.tracing": "conveyor.split.capture",
+    "planner.mesh": "conveyor.planner.layouts",
 }
 
 

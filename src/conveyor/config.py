@@ -72,8 +72,11 @@ _UNSPLIT = {"balance": None, "split_points": None, "stage_modules": None, "auto_
 class SplitConfig:
     """How the model is cut into stages, and which rank holds each stage."""
 
-    balance: tuple[int, ...] | None = None
-    """Layers per stage of an nn.Sequential; default: an even split over the ranks."""
+    balance: tuple[int, ...] | Literal["cost", "even"] | None = None
+    """Layers per stage of an nn.Sequential; or how to choose them when only the number of
+    stages is given: 'cost' (each layer timed on the example inputs, the slowest stage made
+    as fast as it can be: conveyor.split.balance) or 'even' (layer counts). Default: 'cost'
+    when example_inputs are given, else 'even'."""
     split_points: tuple[str, ...] | None = None
     """Qualified names of the submodules that start stages 1, 2, ... (any nn.Module)."""
     stage_modules: tuple[str, ...] | None = None
@@ -106,9 +109,14 @@ class SplitConfig:
     several stages is tied without being listed."""
 
     def _check_split(self) -> None:
+        if isinstance(self.balance, str) and self.balance not in ("cost", "even"):
+            raise ValueError(
+                f"balance {self.balance!r} is not a split; expected layers per stage, e.g. "
+                "(3, 5), or 'cost' (by measured layer times) or 'even' (by layer count)"
+            )
         for name in ("balance", "placement"):
             counts = getattr(self, name)
-            if counts is not None:
+            if counts is not None and not isinstance(counts, str):
                 object.__setattr__(self, name, tuple(_whole(name, c) for c in counts))
         if self.virtual_stages is not None:
             object.__setattr__(
@@ -126,7 +134,7 @@ class SplitConfig:
                 f"stage_modules {list(self.stage_modules)} has an empty stage; "
                 "give each stage at least one submodule name"
             )
-        if self.balance is not None and any(b < 1 for b in self.balance):
+        if isinstance(self.balance, tuple) and any(b < 1 for b in self.balance):
             raise ValueError(
                 f"balance {list(self.balance)} has a count below 1; every stage "
                 "needs at least one layer"
@@ -154,7 +162,7 @@ class SplitConfig:
     @property
     def num_stages(self) -> int | None:
         """Stages implied by balance, split points or stage modules; None otherwise."""
-        if self.balance is not None:
+        if isinstance(self.balance, tuple):
             return len(self.balance)
         if self.split_points is not None:
             return len(self.split_points) + 1
@@ -349,12 +357,20 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
         }
 
 
+_WORDS = {("balance", "cost"), ("balance", "even")}
+"""Words a sequence field takes besides a sequence."""
+
+
 def _check_sequences(config: PipelineConfig) -> None:
     """Fields that take a sequence hold a tuple of any iterable given (a list, a numpy array,
     a generator); a string or a single value is refused: ``"12"`` would be ``("1", "2")``."""
     for name, hint in _sequence_fields().items():
         value = getattr(config, name)
-        if value is None or isinstance(value, tuple):
+        if (
+            value is None
+            or isinstance(value, tuple)
+            or (isinstance(value, str) and (name, value) in _WORDS)
+        ):
             continue
         if isinstance(value, str | bytes) or not isinstance(value, Iterable):
             hint_one = f"; pass {name}=[{value!r}] for one entry" if isinstance(value, str) else ""

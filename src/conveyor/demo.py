@@ -28,8 +28,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from conveyor.config import PipelineConfig
 from conveyor.models import gpt, gpt_loss, text_batches, unigram_entropy
 from conveyor.pipeline import Pipeline
+from conveyor.pipeline.training import Throughput
 from conveyor.trace import load_run, write_chrome, write_png
-from conveyor.training import Throughput
 
 __all__ = ["DemoConfig", "progress_bar", "train"]
 

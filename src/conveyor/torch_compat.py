@@ -7,6 +7,7 @@ back to a public API where one exists.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +32,18 @@ __all__ = [
     "attention_with_lse",
     "backend_options",
     "close_gloo_group",
+    "data_dependent_errors",
     "default_store",
+    "export_fake_mode",
     "flatten_state_dict",
     "fsdp_reduce_gradients",
     "grad_unchecked",
+    "is_fake",
     "pytree",
     "replicate",
+    "tensor_tables",
     "tensor_version",
+    "tracing_in",
 ]
 """Internal to conveyor: listed so that its modules may import them."""
 
@@ -234,3 +240,47 @@ def attention_with_lse(
     lse = torch.logsumexp(scores.float(), dim=-1)
     weights = torch.exp(scores.float() - lse[..., None]).to(q.dtype)
     return weights @ v, lse
+
+
+# Fake tensors for torch.export of a model built on the meta device (conveyor.split.fake):
+# export makes a fake mode of its own unless a TracingContext holds one (as when dynamo
+# exports); no public API takes a fake mode or fake parameters, so conveyor hands it one in a
+# TracingContext, with export's own settings.
+def export_fake_mode() -> Any:
+    """A fake tensor mode as torch.export makes one (dynamic shapes, non-fake inputs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shapes = ShapeEnv(tracked_fakes=[], trace_asserts=True)
+    return FakeTensorMode(shape_env=shapes, allow_non_fake_inputs=True, export=True)
+
+
+def tracing_in(mode: Any) -> AbstractContextManager[Any]:
+    """A TracingContext holding ``mode``: a torch.export inside traces in it."""
+    from torch._guards import TracingContext, tracing
+
+    return tracing(TracingContext(mode))
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (shape and dtype, no memory)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def data_dependent_errors() -> tuple[type[BaseException], ...]:
+    """What torch.export raises when the code branches on, or sizes by, a tensor's values."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+
+
+def tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's own parameter and buffer tables, to swap entries in place without the
+    checks ``register_parameter`` makes (fake tensors are no Parameters)."""
+    return module._parameters, module._buffers

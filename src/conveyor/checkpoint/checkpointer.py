@@ -58,8 +58,7 @@ from conveyor.checkpoint.state import (
 )
 from conveyor.checkpoint.writer import Writer
 from conveyor.config import CHECKPOINT_DIR_ENV, CheckpointConfig
-from conveyor.pipeline import Pipeline
-from conveyor.runtime import faults
+from conveyor.pipeline import Pipeline, faults
 from conveyor.runtime.peers import PeerLostError, close_group, remaining
 
 __all__ = ["Checkpointer", "SaveRecord"]

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from conveyor.checkpoint.manifest import FileEntry, file_entry
-from conveyor.runtime import faults
+from conveyor.pipeline import faults
 
 __all__ = ["Writer"]
 

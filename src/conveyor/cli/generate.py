@@ -24,7 +24,8 @@ from torch import nn
 from conveyor.cli.flags import add_dataclass_flags, build_dataclass, given_fields, read_toml
 from conveyor.cli.launch import torchrun
 from conveyor.graph import chain
-from conveyor.inference import DecodePipeline, GenerationConfig, decode_items, decode_program
+from conveyor.inference import GenerationConfig, decode_items, decode_program
+from conveyor.pipeline.decode import DecodePipeline
 from conveyor.simulator import simulate
 from conveyor.trace import render_grid
 

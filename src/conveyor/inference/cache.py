@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["StaticKV", "format_bytes"]
+__all__ = ["StaticKV"]
 
 
 class StaticKV:
@@ -56,12 +56,3 @@ class StaticKV:
         self.values[:, :, self.length : end] = values
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
-
-
-def format_bytes(value: float) -> str:
-    """'1.5 GiB', '320.0 MiB', '12 B'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # unreachable; keeps type checkers content

@@ -1,6 +1,6 @@
 """A causal language model as conveyor generates with it: units with KV caches, run in ranges.
 
-    lm = as_causal_lm(model)                        # conveyor.inference.models
+    lm = as_causal_lm(model)                        # conveyor.pipeline.decode
     cache = lm.new_cache(range(0, 3), rows=4, capacity=160, device=cpu)
     hidden = lm.run(range(0, 3), token_ids, cache, context)    # a stage: units 0, 1, 2
 
@@ -90,7 +90,7 @@ class CausalLM(ABC):
     """A model conveyor can generate with: units (embedding, blocks, head) and their caches.
 
     Subclasses adapt one family of models (conveyor's GPT, Hugging Face Llama and GPT-2);
-    ``conveyor.inference.models.as_causal_lm`` picks one.
+    ``conveyor.pipeline.decode.as_causal_lm`` picks one.
     """
 
     num_units: int

@@ -451,4 +451,3 @@ def _broadcast_from_first_replica(modules: Iterable[nn.Module], group: dist.Proc
         for module in modules:
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(local(tensor), group=group, group_src=0)
-

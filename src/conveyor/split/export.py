@@ -30,7 +30,7 @@ from torch.export import Dim
 from conveyor.split.capture import module_path, where, within
 from conveyor.split.fake import export_device, faked, on_device
 from conveyor.split.inputs import bind_error
-from conveyor.torch_compat import pytree
+from conveyor.torch_compat import data_dependent_errors, pytree
 
 __all__ = ["HOLDS_FOR", "ExportedInputs", "export_model"]
 
@@ -483,13 +483,7 @@ def _export_failure(model: nn.Module, error: BaseException, fake: torch.device |
 def _is_data_dependent(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it) is export's refusal to branch on, or size by, a
     tensor's values."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    kinds = data_dependent_errors()
     seen: BaseException | None = error
     for _ in range(16):  # a chain of causes, never a cycle
         if seen is None:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from conveyor.uninitialized import listed
+from conveyor.text import listed
+from conveyor.torch_compat import export_fake_mode, is_fake, tensor_tables, tracing_in
 
 __all__ = ["Twins", "export_device", "faked", "on_device"]
 
@@ -35,8 +36,8 @@ __all__ = ["Twins", "export_device", "faked", "on_device"]
 # not the model). The graph then holds that device's branches and device arguments, lifted
 # constants are real tensors of that device (fx copies one into each stage that reads it), and
 # the graph module gets the model's own meta tensors back, to be materialized stage by stage
-# (conveyor.weights). An operation without a fake kernel stops such an export; the error says
-# so, and building the model on the device (and splitting it there) is the way around it.
+# (conveyor.pipeline.weights). An operation without a fake kernel stops such an export; the
+# error says so, and building the model on the device (and splitting it there) is the way around it.
 
 
 def export_device(
@@ -73,24 +74,16 @@ def faked(model: nn.Module, device: torch.device | None) -> Iterator[Twins]:
     if device is None:
         yield twins
         return
-    # torch.export makes a fake mode of its own unless a TracingContext holds one (as when
-    # dynamo exports); no public API takes a fake mode or fake parameters. Export's settings.
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    shapes = ShapeEnv(tracked_fakes=[], trace_asserts=True)
-    mode = FakeTensorMode(shape_env=shapes, allow_non_fake_inputs=True, export=True)
+    mode = export_fake_mode()
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for module in model.modules():
-        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-        for table in tables:
+        for table in tensor_tables(module):
             for name, tensor in list(table.items()):
                 if tensor is not None and tensor.is_meta:
                     swapped.append((table, name, tensor))
                     table[name] = twins.fake(mode, tensor, device)
     try:
-        with tracing(TracingContext(mode)):
+        with tracing_in(mode):
             yield twins
     finally:
         for held, name, tensor in swapped:
@@ -129,7 +122,8 @@ class Twins:
         own = {id(t) for t in (*model.parameters(), *model.buffers())}
         lost = []
         for owner_name, owner in module.named_modules():
-            held: dict[str, torch.Tensor | None] = {**owner._parameters, **owner._buffers}
+            parameters, buffers = tensor_tables(owner)
+            held: dict[str, torch.Tensor | None] = {**parameters, **buffers}
             held.update((k, v) for k, v in vars(owner).items() if isinstance(v, torch.Tensor))
             for name, tensor in held.items():
                 if tensor is None:
@@ -137,7 +131,7 @@ class Twins:
                 original = self.originals.get(id(tensor))
                 if original is not None:
                     _replace(owner, name, original)
-                elif id(tensor) not in own and (tensor.is_meta or _is_fake(tensor)):
+                elif id(tensor) not in own and (tensor.is_meta or is_fake(tensor)):
                     lost.append(f"{owner_name}.{name}" if owner_name else name)
         if lost:
             raise TypeError(
@@ -149,15 +143,10 @@ class Twins:
 
 def _replace(owner: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Put ``tensor`` where ``owner`` holds ``name`` (a parameter, a buffer or a constant)."""
-    if name in owner._parameters:
-        owner._parameters[name] = tensor  # type: ignore[assignment]  # the model's Parameter
-    elif name in owner._buffers:
-        owner._buffers[name] = tensor
+    parameters, buffers = tensor_tables(owner)
+    if name in parameters:
+        parameters[name] = tensor  # the model's Parameter
+    elif name in buffers:
+        buffers[name] = tensor
     else:
         setattr(owner, name, tensor)
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(tensor, FakeTensor)

@@ -18,6 +18,7 @@ from typing import Any
 
 from conveyor.files import write_atomic
 from conveyor.program import Action, Kind, matching_send
+from conveyor.text import format_bytes
 
 __all__ = [
     "RECOMPUTE",
@@ -27,7 +28,6 @@ __all__ = [
     "RankSummary",
     "Timeline",
     "clipped",
-    "format_bytes",
     "is_compute",
     "merge",
 ]
@@ -314,14 +314,6 @@ def _last_before(times: list[float], moment: float) -> float | None:
 def _matching_send(recv: str) -> str:
     """``1RF0<0`` -> ``0SF0>1``: the send that a receive gets."""
     return str(matching_send(Action.parse(recv)))
-
-
-def format_bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"  # unreachable; keeps type checkers content
 
 
 def merge(parts: Sequence[Timeline], meta: dict[str, Any] | None = None) -> Timeline:

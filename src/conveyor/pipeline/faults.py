@@ -21,15 +21,13 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from conveyor.pipeline import Pipeline
-
+from conveyor.pipeline.core import Pipeline
 from conveyor.torch_compat import pytree
 
 __all__ = ["ACTIONS", "ENV", "POINTS", "Fault", "attempt", "configured", "fire", "install", "parse"]

@@ -5,7 +5,8 @@
     unset.keep(entries)                               # what the initializer left unset
     unset.problem("rank 0 (stage 0)")                 # '' once every tensor holds values
 
-conveyor.weights.materialize marks and keeps; Pipeline refuses steps while a problem remains.
+conveyor.pipeline.weights.materialize marks and keeps; Pipeline refuses steps while a problem
+remains.
 See Note [meta materialization].
 """
 
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from conveyor.text import listed
 from conveyor.torch_compat import tensor_version
 
-__all__ = ["Unset", "listed"]
+__all__ = ["Unset"]
 
 
 # Note [meta materialization]:
@@ -107,12 +109,6 @@ class Unset:
                 else ""
             )
         )
-
-
-def listed(names: Sequence[str], limit: int = 8) -> str:
-    """``names`` in brackets, the first ``limit`` of them."""
-    shown = ", ".join(names[:limit])
-    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
 
 
 def _sentinel(dtype: torch.dtype) -> float | int | None:

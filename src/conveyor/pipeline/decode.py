@@ -1,4 +1,5 @@
-"""DecodePipeline: a causal LM cut into stages over ranks, generating with a KV cache per stage.
+"""DecodePipeline: a causal LM cut into stages over ranks, generating with a KV cache per stage;
+the generation facade, beside Pipeline.
 
     decoder = DecodePipeline(model, balance=[3, 3])           # on every rank, like Pipeline
     tokens = decoder.generate(input_ids, max_new_tokens=32)    # (batch, prompt + new), every rank
@@ -27,12 +28,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from conveyor.graph import StageGraph, chain
-from conveyor.inference.cache import format_bytes
+from conveyor.hf.decode import hf_causal_lm, is_hf_model
 from conveyor.inference.config import GenerationConfig, model_defaults
 from conveyor.inference.context import check_supported, context_parallel_lm
 from conveyor.inference.gpt import GptLM, is_gpt
 from conveyor.inference.lm import CausalLM
-from conveyor.inference.models import as_causal_lm
 from conveyor.inference.prompts import (
     generated_length,
     groups_of,
@@ -47,9 +47,10 @@ from conveyor.program import Program
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.fingerprint import CannotRunError, agree, fingerprint
 from conveyor.split import even_balance
+from conveyor.text import format_bytes
 from conveyor.trace import Recorder, Timeline, merge
 
-__all__ = ["DecodePipeline", "GenerationStats", "generate"]
+__all__ = ["DecodePipeline", "GenerationStats", "as_causal_lm", "generate"]
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class DecodePipeline:
             raise TypeError(
                 f"Pipeline.generate runs conveyor's GPT (conveyor.models.gpt), got a "
                 f"{type(model).__name__}; for a Hugging Face causal LM use "
-                "conveyor.inference.DecodePipeline(model, balance=...)"
+                "conveyor.DecodePipeline(model, balance=...)"
             )
         layers: list[nn.Module] = list(model)
         balance = []
@@ -623,6 +624,30 @@ def generate(
     return tokens
 
 
+def as_causal_lm(model: Any) -> CausalLM:
+    """``model`` as a CausalLM: a CausalLM itself, conveyor's GPT (``conveyor.models.gpt``'s
+    Sequential), or a Hugging Face causal LM of a family ``conveyor.hf.decode.ADAPTERS``
+    names (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``, ...).
+
+    Raises:
+        TypeError: ``model`` is none of these, has no causal LM head, or is of a Hugging Face
+            family without an adapter.
+    """
+    if isinstance(model, CausalLM):
+        return model
+    if isinstance(model, nn.Sequential) and is_gpt(list(model)):
+        return GptLM(list(model))
+    if isinstance(model, nn.Module) and is_hf_model(model):
+        return hf_causal_lm(model)
+    raise TypeError(
+        f"cannot generate with a {type(model).__name__}: it has no causal LM head conveyor "
+        "knows; expected conveyor.models.gpt (an nn.Sequential of Embedding, Blocks, Head), a "
+        "Hugging Face causal LM of a family in conveyor.hf.decode.ADAPTERS "
+        "(LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...) or a "
+        "conveyor.inference.lm.CausalLM"
+    )
+
+
 def default_balance(num_units: int, num_stages: int) -> list[int]:
     """Units per stage: the blocks evenly (larger stages first), the embedding with the first
     stage and the head with the last."""
@@ -680,7 +705,7 @@ def _group_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
         raise RuntimeError(
             "torch.distributed is not initialized; launch with `conveyor run -n N script.py` "
             "and call torch.distributed.init_process_group() first, or use "
-            "conveyor.inference.generate(model, ...) on one process"
+            "conveyor.generate(model, ...) on one process"
         )
     return dist.get_rank(group), dist.get_world_size(group)
 

@@ -26,7 +26,6 @@ from conveyor.runtime.loss import counted_tokens
 
 __all__ = [
     "LABELS",
-    "initializer",
     "is_transformers_model",
     "label_counts",
     "model_loss",
@@ -57,34 +56,6 @@ def model_loss(output: Any, targets: Any = None) -> torch.Tensor:
             "batch (a model that computes its own loss needs them) or a loss_fn to Pipeline"
         )
     return loss
-
-
-def initializer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
-    """How ``model``'s modules initialize the tensors they own (conveyor.weights): transformers'
-    ``_init_weights`` of the nearest ``PreTrainedModel`` around a module (weights, norms,
-    rotary tables, position ids), else the module's ``reset_parameters`` (or
-    ``_reset_parameters``, as nn.MultiheadAttention names it)."""
-
-    def initialize(name: str, module: nn.Module) -> bool:
-        path = name
-        while True:
-            around = model.get_submodule(path)
-            init_weights = getattr(around, "_init_weights", None)
-            if is_transformers_model(around) and callable(init_weights):
-                init_weights(module)
-                return True
-            if not path:
-                break
-            path = path.rpartition(".")[0]
-        reset = getattr(module, "reset_parameters", None) or getattr(
-            module, "_reset_parameters", None
-        )
-        if callable(reset):
-            reset()
-            return True
-        return False
-
-    return initialize
 
 
 _SHIFTED_LOSSES = ("ForCausalLM", "ForConditionalGeneration")

@@ -88,7 +88,7 @@ def _unsupported(model: nn.Module, model_type: str) -> str:
     shared = _shared_paths(model, nearest)
     if shared:
         how = (
-            f"subclass the nearest adapter, conveyor.inference.hf.{nearest.__name__} (the "
+            f"subclass the nearest adapter, conveyor.hf.decode.{nearest.__name__} (the "
             f"model shares its {', '.join(shared)}): set its *_paths, override embed and block "
             "to run them as the model's own forward does, and register it: "
             f"ADAPTERS[{model_type!r}] = YourAdapter (or adapt it as a "
@@ -96,12 +96,12 @@ def _unsupported(model: nn.Module, model_type: str) -> str:
         )
     else:
         how = (
-            "adapt it as a conveyor.inference.lm.CausalLM (see conveyor.inference.hf's "
+            "adapt it as a conveyor.inference.lm.CausalLM (see conveyor.hf.decode's "
             "adapters) and pass that to DecodePipeline"
         )
     return (
         f"generation splits Hugging Face model types {sorted(ADAPTERS)} "
-        f"(conveyor.inference.hf.ADAPTERS), got {model_type!r} ({type(model).__name__}); "
+        f"(conveyor.hf.decode.ADAPTERS), got {model_type!r} ({type(model).__name__}); "
         f"to generate with it, {how}"
     )
 
@@ -159,7 +159,7 @@ class HfCausalLM(CausalLM):
             raise TypeError(
                 f"{type(self).__name__} reads the blocks at {self.layers_path!r}, but "
                 f"{type(model).__name__} has no ModuleList there; use the adapter of its "
-                "family (conveyor.inference.hf.ADAPTERS) or set layers_path"
+                "family (conveyor.hf.decode.ADAPTERS) or set layers_path"
             )
         self.num_units = len(self.layers) + 2
         self.hidden_size = int(self.config.hidden_size)
@@ -187,20 +187,20 @@ class HfCausalLM(CausalLM):
                 "and build those layers' masks as the model's own forward does"
             )
 
-    def _modules(self, paths: tuple[str, ...]) -> list[nn.Module]:
+    def _at(self, paths: tuple[str, ...]) -> list[nn.Module]:
         return [m for m in (_submodule(self.model, p) for p in paths) if m is not None]
 
     def unit_modules(self, units: range) -> list[nn.Module]:
         found: list[nn.Module] = []
         for u in units:
             if u == 0:
-                found += self._modules(self.embedding_paths)
+                found += self._at(self.embedding_paths)
             elif u == self.num_units - 1:
-                found += [*self._modules(self.final_paths), self.model.get_output_embeddings()]
+                found += [*self._at(self.final_paths), self.model.get_output_embeddings()]
             else:
                 found.append(self.layers[u - 1])
         if self.blocks(units):
-            found += self._modules(self.shared_paths)
+            found += self._at(self.shared_paths)
         return found
 
     def new_cache(
@@ -285,7 +285,7 @@ class HfCausalLM(CausalLM):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The final modules, the LM head and the logits' soft cap (Gemma 2), as the model's
         ``*ForCausalLM.forward`` applies them."""
-        for module in self._modules(self.final_paths):
+        for module in self._at(self.final_paths):
             x = module(x)
         logits: torch.Tensor = self.model.get_output_embeddings()(x)
         cap = getattr(self.config, "final_logit_softcapping", None)

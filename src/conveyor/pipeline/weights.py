@@ -8,7 +8,7 @@ own stages, filling them from safetensors files (``model.safetensors``, or shard
 ``model.safetensors.index.json``) that are opened lazily, tensor by tensor, so no rank ever
 holds the whole model. Tensors the files lack are initialized the way the model's own modules
 initialize themselves (a transformers model's ``_init_weights``, else ``reset_parameters``);
-what nothing initializes is tracked until it is loaded (conveyor.uninitialized).
+what nothing initializes is tracked until it is loaded (conveyor.pipeline.uninitialized).
 """
 
 from __future__ import annotations
@@ -21,13 +21,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import fx, nn
 
 from conveyor.files import atomic_path, write_atomic
-from conveyor.uninitialized import Unset, listed
-from conveyor.weight_keys import key_map
+from conveyor.graph import StageGraph
+from conveyor.hf.weights import initializer, key_map
+from conveyor.pipeline.uninitialized import Unset
+from conveyor.split.export import place_on
+from conveyor.split.stages import EXPORTED
+from conveyor.text import listed
 
-__all__ = ["INDEX", "Initializer", "WeightFiles", "materialize", "save_stage_files", "write_index"]
+__all__ = [
+    "INDEX",
+    "Initializer",
+    "WeightFiles",
+    "materialize",
+    "materialize_stages",
+    "save_stage_files",
+    "unread",
+    "write_index",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +51,7 @@ SINGLE = "model.safetensors"
 
 class WeightFiles:
     """A directory of safetensors weights, read one tensor at a time by model name (through
-    the model's key map, conveyor.weight_keys), remembering which file keys were read."""
+    the model's key map, conveyor.hf.weights), remembering which file keys were read."""
 
     def __init__(
         self,
@@ -270,3 +284,80 @@ def unread(files: WeightFiles, held: Iterable[str], read: Iterable[str]) -> list
     sources = files.keys.sources
     wanted = {key for name in held if name in sources for key in sources[name].keys}
     return sorted(wanted - set(read))
+
+
+def materialize_stages(
+    graph: StageGraph,
+    rank: int,
+    device: torch.device,
+    model: nn.Module | None,
+    weights: str | os.PathLike[str] | None,
+    tied: list[list[str]],
+    unset: Unset,
+    group: dist.ProcessGroup | None,
+) -> dict[int, nn.Module]:
+    """This rank's stages on ``device``: tensors read from ``weights`` as ``from_pretrained``
+    reads them, meta tensors the files lack initialized by the model's own modules. With
+    ``weights``, the ranks then check together that every file key a stage needs was read
+    (collective over ``group``)."""
+    files = WeightFiles(weights, model, tied) if weights is not None else None
+    stages = {}
+    problem = ""
+    try:
+        for s in graph.stages_on(rank):
+            module = graph.stages[s].module
+            assert module is not None
+            if isinstance(module, fx.GraphModule) and module.meta.get(EXPORTED):
+                place_on(module, device)
+            stages[s] = materialize(
+                module,
+                device,
+                initialize=initializer(model) if model is not None else initializer(module),
+                owners=model,
+                files=files,
+                unset=unset,
+            )
+    except ValueError as error:
+        if files is None:
+            raise
+        problem = str(error)  # every rank learns of it below, instead of waiting
+    if files is not None:
+        _check_read(files, problem, graph, model, rank, group)
+    return stages
+
+
+def _check_read(
+    files: WeightFiles,
+    problem: str,
+    graph: StageGraph,
+    model: nn.Module | None,
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Raise on every rank if a rank failed to load (``problem``), or if a file key that
+    ``from_pretrained`` would read into a stage's tensor was read by no rank; warn about keys
+    it would leave too. See Note [weights as from_pretrained reads them]."""
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (problem, sorted(files.used)), group=group)
+    failed = [(r, p) for r, (p, _) in enumerate(reports) if p]
+    if failed:
+        first_rank, first = failed[0]
+        raise ValueError(first if first_rank == rank else f"rank {first_rank}: {first}")
+    held = {k for st in graph.stages if st.module is not None
+            for k in st.module.state_dict(keep_vars=True)}  # fmt: skip
+    missed = unread(files, held, [k for _, used in reports for k in used])
+    if missed:
+        raise ValueError(
+            f"weights in {files.directory}: {listed(missed)} fill tensors of this model "
+            "(as from_pretrained reads them), but no rank read them; this is a conveyor "
+            "bug, please report it with the model's class; build the model on a real "
+            "device and load it with from_pretrained meanwhile"
+        )
+    if rank == 0 and files.keys.ignored:
+        logger.warning(
+            "weights in %s: %s fill no tensor of %s and were not loaded (from_pretrained "
+            "leaves them too)",
+            files.directory,
+            listed(files.keys.ignored),
+            type(model).__name__,
+        )

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.huggingface import is_transformers_model
+from conveyor.hf.loss import is_transformers_model
 
-__all__ = ["KeyMap", "Source", "key_map"]
+__all__ = ["KeyMap", "Source", "initializer", "key_map"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,3 +186,31 @@ def _transformers_loading() -> Any:
         WeightRenaming=core_model_loading.WeightRenaming,
         WeightConverter=core_model_loading.WeightConverter,
     )
+
+
+def initializer(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """How ``model``'s modules initialize the tensors they own (conveyor.pipeline.weights):
+    transformers' ``_init_weights`` of the nearest ``PreTrainedModel`` around a module (weights,
+    norms, rotary tables, position ids), else the module's ``reset_parameters`` (or
+    ``_reset_parameters``, as nn.MultiheadAttention names it)."""
+
+    def initialize(name: str, module: nn.Module) -> bool:
+        path = name
+        while True:
+            around = model.get_submodule(path)
+            init_weights = getattr(around, "_init_weights", None)
+            if is_transformers_model(around) and callable(init_weights):
+                init_weights(module)
+                return True
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+        reset = getattr(module, "reset_parameters", None) or getattr(
+            module, "_reset_parameters", None
+        )
+        if callable(reset):
+            reset()
+            return True
+        return False
+
+    return initialize

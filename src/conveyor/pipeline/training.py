@@ -12,16 +12,13 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from conveyor.parallel import PipelineMesh
 from conveyor.runtime.sharded import local
-
-if TYPE_CHECKING:
-    from conveyor.pipeline import Pipeline
 
 __all__ = ["Rates", "Throughput", "clip_grad_norm_", "share_loss"]
 
@@ -37,19 +34,28 @@ __all__ = ["Rates", "Throughput", "clip_grad_norm_", "share_loss"]
 # job (the maximum, for the infinity norm), and every rank scales its gradients by the same
 # factor, as torch.nn.utils.clip_grad_norm_ does.
 def clip_grad_norm_(
-    pipe: Pipeline, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: list[torch.nn.Parameter],
+    tied_elsewhere: set[int],
+    mesh: PipelineMesh | None,
+    group: dist.ProcessGroup | None,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale every gradient of the pipelined model so that their global norm is at most
     ``max_norm``; returns the norm before clipping, on every rank (collective over the job).
 
-    See Note [global gradient norm].
+    ``parameters`` are this rank's, ``tied_elsewhere`` the ids of those a tie counts on
+    another rank, ``group`` the pipeline's. See Note [global gradient norm].
 
     Raises:
         RuntimeError: with ``error_if_nonfinite``, the norm is NaN or infinite.
     """
-    grads = [p.grad for p in pipe.parameters() if p.grad is not None]
-    counted = [local(p.grad) for p in _counted(pipe) if p.grad is not None]
-    total = _global_norm(pipe, counted, float(norm_type))
+    grads = [p.grad for p in parameters if p.grad is not None]
+    counted = [
+        local(p.grad) for p in _counted(parameters, tied_elsewhere, mesh) if p.grad is not None
+    ]
+    total = _global_norm(None if mesh is not None else group, counted, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the global gradient norm of order {norm_type} is {total.item()}; "
@@ -62,14 +68,14 @@ def clip_grad_norm_(
     return total
 
 
-def _counted(pipe: Pipeline) -> list[torch.nn.Parameter]:
-    """This rank's parameters whose gradient elements it counts in the global norm."""
-    skipped = {id(s.param) for s in pipe.ties.params if s.source != pipe.rank}
-    mesh = pipe.mesh
+def _counted(
+    parameters: list[torch.nn.Parameter], skipped: set[int], mesh: PipelineMesh | None
+) -> list[torch.nn.Parameter]:
+    """This rank's parameters with a gradient whose elements it counts in the global norm."""
     coordinates = {} if mesh is None else {"dp": mesh.replica, "tp": mesh.tp_index}
     chosen: list[torch.nn.Parameter] = []
-    for param in pipe.parameters():
-        if id(param) in skipped:
+    for param in parameters:
+        if id(param) in skipped or param.grad is None:
             continue
         names: tuple[str, ...] = ()
         if isinstance(param, DTensor):
@@ -90,9 +96,11 @@ def _first_of_replicas(tensor: DTensor) -> bool:
     return all(c == 0 for c, p in zip(coordinate, placements, strict=True) if p == Replicate())
 
 
-def _global_norm(pipe: Pipeline, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of order ``norm_type`` of ``grads`` over every rank of the job."""
-    group = None if pipe.mesh is not None else pipe.group  # a mesh spans the world
+def _global_norm(
+    group: dist.ProcessGroup | None, grads: list[torch.Tensor], norm_type: float
+) -> torch.Tensor:
+    """The norm of order ``norm_type`` of ``grads`` over every rank of ``group`` (the job's:
+    None on a mesh, which spans the world)."""
     if math.isinf(norm_type):
         part = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
         total = torch.tensor(part, dtype=torch.float64)
@@ -107,23 +115,28 @@ def _global_norm(pipe: Pipeline, grads: list[torch.Tensor], norm_type: float) ->
     return total ** (1.0 / norm_type)
 
 
-def share_loss(pipe: Pipeline, loss: torch.Tensor | None) -> torch.Tensor:
+def share_loss(
+    loss: torch.Tensor | None,
+    device: torch.device,
+    mesh: PipelineMesh | None,
+    group: dist.ProcessGroup | None,
+    source: int,
+    summed: bool,
+) -> torch.Tensor:
     """The step's loss on every rank (a float64 scalar): the mean over replicas (the sum with
     ``loss_reduction="sum"``), sent from each replica's last stage to its other ranks.
 
     Collective over the job; the ranks that do not hold the last stage wait at most until it
     has finished its step, which in most schedules is before they finish theirs.
     """
-    value = torch.zeros((), dtype=torch.float64, device=pipe.device)
+    value = torch.zeros((), dtype=torch.float64, device=device)
     if loss is not None:
         value += loss.to(torch.float64)
-        mesh = pipe.mesh
         if mesh is not None and mesh.dp_mesh is not None and mesh.num_replicas > 1:
             dist.all_reduce(value, group=mesh.dp_mesh.get_group())
-            if pipe.config.loss_reduction != "sum":
+            if not summed:
                 value /= mesh.num_replicas
-    source = pipe.graph.rank_of(pipe.graph.sink)
-    dist.broadcast(value, group=pipe.group, group_src=source)
+    dist.broadcast(value, group=group, group_src=source)
     return value
 
 
