@@ -1,6 +1,7 @@
 import importlib.util
 import multiprocessing
 import multiprocessing.forkserver
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +18,15 @@ import torch.distributed as dist
 # code, so every rank starts from freshly imported modules. It starts with the session, and
 # ranks see the environment of that moment, not the calling test's: a test that needs a
 # variable in its ranks sets it inside the rank function.
+# Tests mirror the packages (tests/runtime/ tests conveyor.runtime, ...) and import each
+# other's helpers and the harness by module name (``from dist import run_ranks``): every test
+# directory is on the path, for the session and for the ranks it starts.
+_TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [
+    str(_TESTS),
+    *sorted(str(d) for d in _TESTS.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))),
+]
+
 _PRELOAD = ["torch", "torch.distributed", "conveyor", "conveyor.models", "pytest", "transformers"]
 
 

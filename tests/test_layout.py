@@ -106,6 +106,7 @@ def test_packages_import_only_what_stands_below_them() -> None:
                 )
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 @pytest.mark.timeout(300)  # ~80 fresh imports of conveyor, in two interpreters at once
 def test_every_module_imports_alone() -> None:
     # an interpreter per half (torch loads once in each); conveyor is forgotten before each

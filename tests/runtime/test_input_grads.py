@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from test_pipeline import reference
 from torch import nn
 
 import conveyor
 from dist import run_ranks
-from test_pipeline import reference
 
 pytestmark = pytest.mark.dist
 

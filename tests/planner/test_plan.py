@@ -223,6 +223,7 @@ def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: P
 # -- the command line --------------------------------------------------------------------------
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_plan_command_prints_plans_and_writes_the_best(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -388,6 +389,7 @@ def _slow() -> Workload:
 _OVERRUN_S = 10.0
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_a_small_time_budget_bounds_the_whole_plan_and_says_what_it_left_out() -> None:
     began = time.monotonic()
     report = plan(_slow(), 2, 1 << 30, 8, time_budget_s=2.0)
@@ -443,6 +445,7 @@ def test_a_profile_cut_by_its_deadline_keeps_its_first_size_and_says_what_it_lac
     assert Profile.load(tmp_path / "cut.json") == profile
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_too_small_a_budget_for_two_ranks_profiles_here_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

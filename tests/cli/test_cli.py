@@ -18,7 +18,7 @@ from conveyor.planner import Workload, profile_model
 from conveyor.runtime.peers import Failure, read_failure
 from conveyor.trace import load_run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("command", [[], ["run"], ["demo"], ["simulate"], ["plan"], ["trace"]])
@@ -216,6 +216,7 @@ def test_plan_without_a_link_says_the_reduction_was_not_measured(
     assert "dp=1 x pp=2: " in out and "no gradient reduction (one replica)" in out
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_plan_logs_each_phase_and_keeps_its_time_budget(
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:

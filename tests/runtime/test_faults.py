@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from test_checkpoint import Run, assert_same, tied_gpt, windows
 from torch import nn
 
 import conveyor
@@ -32,9 +33,8 @@ from conveyor.models import gpt_loss
 from conveyor.pipeline import faults
 from conveyor.runtime.peers import Failure, PeerLostError
 from dist import run_ranks
-from test_checkpoint import Run, assert_same, tied_gpt, windows
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_resumable.py"
 
 
@@ -84,6 +84,7 @@ def test_a_failure_record_places_its_ranks_and_the_summary_blames_the_lost_one()
     )
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_a_kill_fault_kills_the_process_with_sigkill() -> None:
     code = (
         "from conveyor.pipeline import faults; faults.fire('forward', step=3, rank=0); "

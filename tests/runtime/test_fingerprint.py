@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from test_pipeline import check_step, tiny
 from torch import nn
 
 import conveyor
 from conveyor.runtime.fingerprint import Fingerprint, fingerprint, initial_digest
 from dist import run_ranks
-from test_pipeline import check_step, tiny
 
 CPU = torch.device("cpu")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_generate import SAMPLING, VOCAB, hf_sampling_reference
 from torch import nn
 
 from conveyor.hf.decode import ADAPTERS
@@ -17,7 +18,6 @@ from conveyor.inference import Context
 from conveyor.inference.prompts import positions_of
 from conveyor.pipeline.decode import DecodePipeline, as_causal_lm, generate
 from dist import run_ranks
-from test_generate import SAMPLING, VOCAB, hf_sampling_reference
 
 WINDOW = 4
 """Sliding window of the families that have one: the longer prompt and the new tokens

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_huggingface import VOCAB, gpt2, text_batch
 
 import conveyor
 from dist import run_ranks
-from test_huggingface import VOCAB, gpt2, text_batch
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

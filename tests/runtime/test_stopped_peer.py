@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint import Run, small_gpt, windows
+from test_faults import _stop_in_tied_sum
 
 import conveyor
 from conveyor.checkpoint.writer import Writer
@@ -27,8 +29,6 @@ from conveyor.cli.launch import failure_summary
 from conveyor.models import gpt_loss
 from conveyor.pipeline import faults
 from conveyor.runtime.peers import FAILURES_ENV, read_failure
-from test_checkpoint import Run, small_gpt, windows
-from test_faults import _stop_in_tied_sum
 
 pytestmark = pytest.mark.dist
 

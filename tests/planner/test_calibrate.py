@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_profile import _model, _workload
 
 from conveyor.planner import (
     Link,
@@ -23,7 +24,6 @@ from conveyor.planner.calibrate import busy_warning
 from conveyor.schedule import build_program
 from conveyor.trace import Event, Timeline
 from dist import run_ranks
-from test_profile import _model, _workload
 
 
 def _overheads_worker(rank: int, world_size: int, out: str) -> None:

@@ -751,6 +751,7 @@ def test_a_head_the_forward_never_calls_is_saved_and_resumed(tmp_path: Path) -> 
     run_ranks(_unused_head, tmp_path, 2, timeout_s=200, root=str(tmp_path))
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(
     one_rank: None, tmp_path: Path
 ) -> None:

@@ -16,12 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
-import conveyor
-from conveyor.split import split_model
-from conveyor.split.export import export_model, getattr_path
-from dist import run_ranks
 from test_huggingface import (
     VOCAB,
     check_against_plain,
@@ -31,6 +25,12 @@ from test_huggingface import (
     vit,
 )
 from test_weights import _peak_bytes, _resident_bytes
+from torch import nn
+
+import conveyor
+from conveyor.split import split_model
+from conveyor.split.export import export_model, getattr_path
+from dist import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -34,6 +34,7 @@ def _page_faults(mode: str) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.dist  # a process of its own, or seconds of measuring
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc only")
 def test_freed_memory_is_reused_without_page_faults() -> None:
     pages = (64 << 20) // 4096
