@@ -161,7 +161,7 @@ def _markdown(
         fields = r["plan"]
         same = f"{fields['schedule']} m={fields['num_microbatches']}"
         split = fields.get("balance") or fields.get("split_points") or "even"
-        ckpt = fields.get("stage_checkpoint", "never")
+        ckpt = fields.get("stage_recompute", "never")
         same_ms = f"{measured[same] * 1e3:.1f}" if same in measured else "-"
         lines.append(
             f"| {r['model']} | {fields['schedule']}, m={fields['num_microbatches']}, split "

@@ -71,7 +71,7 @@ def configurations() -> list[Soak]:
     soaks = [
         Soak("demo"),
         Soak("demo, keep_host_memory=False", options={"keep_host_memory": False}),
-        Soak("demo, checkpoint=always", options={"checkpoint": "always"}),
+        Soak("demo, recompute=always", options={"recompute": "always"}),
         Soak("demo, trace=True", options={"trace": True}),
     ]
     for schedule in SCHEDULES:

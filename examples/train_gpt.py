@@ -28,7 +28,7 @@ def main() -> None:
         balance=[3, 3],
         num_microbatches=8,
         schedule=args.schedule,
-        checkpoint="except_last",
+        recompute="except_last",
         loss_fn=gpt_loss,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)

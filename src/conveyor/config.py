@@ -24,6 +24,7 @@ import numbers
 import operator
 import os
 import typing
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,12 +181,21 @@ class TrainingConfig:
     schedule: str = "1f1b"
     """Schedule name (see conveyor.schedule.SCHEDULES: gpipe, 1f1b, interleaved-1f1b, zb-h1,
     zb-v, ...) or a schedule file (one line of actions per rank; docs/schedules.md)."""
-    checkpoint: RecomputeMode = "never"
-    """Activation checkpointing: recompute forwards in backward (torchgpipe semantics;
-    'except_last' keeps the last micro-batch's activations, which are used at once)."""
-    stage_checkpoint: tuple[RecomputeMode, ...] | None = None
-    """Activation checkpointing per stage (one mode each); overrides checkpoint. The planner
+    recompute: RecomputeMode = "never"
+    """Activation recomputation: 'always' keeps only stage inputs and recomputes forwards in
+    backward, 'except_last' does so for all micro-batches but the last (whose activations are
+    used at once), 'never' keeps everything."""
+    stage_recompute: tuple[RecomputeMode, ...] | None = None
+    """Activation recomputation per stage (one mode each); overrides recompute. The planner
     (conveyor.planner) writes it."""
+    checkpoint: RecomputeMode | None = dataclasses.field(
+        default=None, repr=False, metadata={"deprecated": True}
+    )
+    """Deprecated name of recompute (warns; removed in the next release)."""
+    stage_checkpoint: tuple[RecomputeMode, ...] | None = dataclasses.field(
+        default=None, repr=False, metadata={"deprecated": True}
+    )
+    """Deprecated name of stage_recompute (warns; removed in the next release)."""
     loss_reduction: LossReduction = "mean"
     """'mean': the loss is a per-sample mean, so micro-batch losses are weighted by their share
     of the batch and the step's loss equals the full batch's. 'token_mean': the loss is a mean
@@ -199,6 +209,26 @@ class TrainingConfig:
     """Replace the model's BatchNorm layers by conveyor.runtime.batchnorm.DeferredBatchNorm,
     so the running statistics are those of the whole mini-batch (torchgpipe semantics)."""
 
+    def _take_renamed(self) -> None:
+        """Move a value given under a deprecated name to the new one, with a warning."""
+        for old, new in RENAMED.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            if getattr(self, new) != getattr(TrainingConfig, new):
+                raise ValueError(
+                    f"both {old}= and {new}= are set; {old} is the deprecated name of {new}: "
+                    f"give only {new}="
+                )
+            warnings.warn(
+                f"{old}= is deprecated and will be removed; it is now {new}= (activation "
+                "recomputation; 'checkpoint' names saved runs, conveyor.checkpoint)",
+                DeprecationWarning,
+                stacklevel=5,
+            )
+            object.__setattr__(self, new, value)
+            object.__setattr__(self, old, None)
+
     def _check_training(self) -> None:
         object.__setattr__(
             self, "num_microbatches", _whole("num_microbatches", self.num_microbatches)
@@ -206,12 +236,13 @@ class TrainingConfig:
         object.__setattr__(self, "seed", _whole("seed", self.seed))
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        object.__setattr__(self, "checkpoint", _recompute_mode(self.checkpoint))
-        if self.stage_checkpoint is not None:
-            wrong = [m for m in self.stage_checkpoint if m not in RECOMPUTE_MODES]
+        self._take_renamed()
+        object.__setattr__(self, "recompute", _recompute_mode(self.recompute))
+        if self.stage_recompute is not None:
+            wrong = [m for m in self.stage_recompute if m not in RECOMPUTE_MODES]
             if wrong:
                 raise ValueError(
-                    f"stage_checkpoint has modes {wrong}; each must be one of "
+                    f"stage_recompute has modes {wrong}; each must be one of "
                     f"{list(RECOMPUTE_MODES)}"
                 )
         if self.loss_reduction not in get_args(LossReduction):
@@ -341,21 +372,26 @@ class PipelineConfig(ParallelConfig, RuntimeConfig, TrainingConfig, SplitConfig)
     def with_options(self, fields: Mapping[str, Any]) -> PipelineConfig:
         """This config with a script's own options, which win over a plan's: a way to split of
         theirs replaces the plan's, with the placement and per-stage checkpointing made for
-        the plan's stages, and a ``checkpoint`` of theirs replaces the per-stage one."""
+        the plan's stages, and a ``recompute`` of theirs replaces the per-stage one."""
         options = _fields_of(type(self), fields, "the options")
         dropped: dict[str, Any] = {}
         if set(options) & set(get_args(SplitMethod)):
-            dropped = {**_UNSPLIT, "placement": None, "stage_checkpoint": None}
-        if "checkpoint" in options:
-            dropped["stage_checkpoint"] = None
+            dropped = {**_UNSPLIT, "placement": None, "stage_recompute": None}
+        if "recompute" in options:
+            dropped["stage_recompute"] = None
         return dataclasses.replace(self, **{**dropped, **options})
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain data (tuples as lists), for logs, JSON and checkpoints."""
         return {
-            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(self).items()
+            if k not in RENAMED
         }
 
+
+RENAMED = {"checkpoint": "recompute", "stage_checkpoint": "stage_recompute"}
+"""Deprecated field names and the fields they became (kept for one release)."""
 
 _WORDS = {("balance", "cost"), ("balance", "even")}
 """Words a sequence field takes besides a sequence."""
@@ -392,7 +428,7 @@ def _sequence_fields() -> dict[str, str]:
 
 
 def _recompute_mode(value: Any) -> RecomputeMode:
-    """``checkpoint`` as a plain mode name: a name passes, and so does an object whose
+    """``recompute`` as a plain mode name: a name passes, and so does an object whose
     ``str()`` is one (torchgpipe reads the mode with ``str()``, so its users pass enums)."""
     # a str mixed with Enum says 'Mode.NEVER' as str(): a str's own text is its value
     text = str.__str__(value) if isinstance(value, str) else str(value)
@@ -400,7 +436,7 @@ def _recompute_mode(value: Any) -> RecomputeMode:
         if text == mode:
             return mode
     said = "" if isinstance(value, str) or text == repr(value) else f", whose str() is {text!r}"
-    raise ValueError(f"checkpoint must be one of {list(RECOMPUTE_MODES)}, got {value!r}{said}")
+    raise ValueError(f"recompute must be one of {list(RECOMPUTE_MODES)}, got {value!r}{said}")
 
 
 def _whole(name: str, value: Any) -> int:
@@ -426,9 +462,17 @@ def _fields_of(cls: type, fields: Mapping[str, Any], source: str) -> dict[str, A
     if unknown:
         raise ValueError(
             f"{source} sets unknown fields {unknown}; expected "
-            f"{cls.__name__} fields {sorted(known)}"
+            f"{cls.__name__} fields {sorted(known - set(RENAMED))}"
         )
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    renamed = {k: RENAMED[k] for k in fields if k in RENAMED and RENAMED[k] in known}
+    if renamed:
+        warnings.warn(
+            f"{source} uses deprecated field names: "
+            + ", ".join(f"{old} is now {new}" for old, new in renamed.items()),
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return {renamed.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
 def read_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -473,8 +517,8 @@ def resolve(
     1. ``config`` (default: PipelineConfig());
     2. the plan file ``plan`` (its way to split replaces the config's);
     3. ``options`` (``Pipeline(model, schedule=..., ...)``): a way to split or a
-       ``checkpoint`` of theirs replaces the plan's (with its placement and per-stage
-       checkpointing);
+       ``recompute`` of theirs replaces the plan's (with its placement and per-stage
+       recomputation);
     4. ``$CONVEYOR_PLAN`` (``conveyor run --plan FILE``): overrides the script;
     5. ``$CONVEYOR_TRACE_DIR`` (``conveyor run --trace DIR``): a trace directory, unless one
        is set already; ``$CONVEYOR_DP`` and ``$CONVEYOR_TP`` (``conveyor run --dp N --tp N``):

@@ -1,7 +1,7 @@
 """The demo: train the shipped GPT on Python's own source text, pipelined over local ranks.
 
     conveyor demo                      # 2 ranks, 1F1B, 8 micro-batches
-    conveyor demo --schedule gpipe --checkpoint always
+    conveyor demo --schedule gpipe --recompute always
     conveyor demo --ranks 4 --dp 2     # 2 data-parallel replicas of a 2-rank pipeline
 Each rank runs ``python -m conveyor.demo`` under torchrun.
 """

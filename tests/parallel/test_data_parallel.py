@@ -117,7 +117,7 @@ def _equivalence(rank: int, world_size: int) -> None:
                 num_microbatches=m,
                 loss_fn=F.mse_loss,
                 broadcast_loss=True,
-                checkpoint="except_last" if fsdp else "always",
+                recompute="except_last" if fsdp else "always",
                 trace=True,
                 timeout_s=15,
             )

@@ -40,8 +40,8 @@ def test_fields_are_set_and_read_flat_and_belong_to_one_section_each() -> None:
         ({"balance": (3, 3), "split_points": ("4",)}, "pass one way to split"),
         ({"stage_modules": ("a", " ,")}, "has an empty stage"),
         ({"num_microbatches": 0}, "num_microbatches must be >= 1"),
-        ({"checkpoint": "sometimes"}, "checkpoint must be one of"),
-        ({"stage_checkpoint": ("never", "often")}, r"stage_checkpoint has modes \['often'\]"),
+        ({"recompute": "sometimes"}, "recompute must be one of"),
+        ({"stage_recompute": ("never", "often")}, r"stage_recompute has modes \['often'\]"),
         ({"timeout_s": 0}, "timeout_s must be positive"),
         ({"timeout_s": float("nan")}, "timeout_s must be positive and finite"),
         ({"compile_timeout_s": -1.0}, "compile_timeout_s must be positive"),
@@ -61,7 +61,7 @@ def test_each_section_rejects_bad_values(fields: dict[str, object], message: str
     [
         ({"split_points": "12"}, r"split_points takes a list .* got str '12'; pass split_points"),
         ({"balance": 2}, r"balance takes a list .* got int 2"),
-        ({"stage_checkpoint": "always"}, r"stage_checkpoint takes a list"),
+        ({"stage_recompute": "always"}, r"stage_recompute takes a list"),
         ({"tie_weights": "a.weight,b.weight"}, r"tie_weights takes a list"),
         ({"timeout_s": "60"}, "timeout_s must be a number of seconds, got '60'"),
     ],
@@ -104,23 +104,48 @@ class _Named:  # torchgpipe reads the mode with str(), so its users pass such ob
 
 
 @pytest.mark.parametrize("given", [_Named("except_last"), _Mode.ALWAYS, _Named("never")])
-def test_checkpoint_takes_an_object_whose_str_is_a_mode_as_that_mode(given: object) -> None:
-    config = PipelineConfig(checkpoint=given)  # type: ignore[arg-type]  # what torchgpipe takes
-    assert type(config.checkpoint) is str
-    assert config.checkpoint == (given.value if isinstance(given, _Mode) else str(given))
-    assert json.loads(json.dumps(config.to_dict()))["checkpoint"] == config.checkpoint
+def test_recompute_takes_an_object_whose_str_is_a_mode_as_that_mode(given: object) -> None:
+    config = PipelineConfig(recompute=given)  # type: ignore[arg-type]  # what torchgpipe takes
+    assert type(config.recompute) is str
+    assert config.recompute == (given.value if isinstance(given, _Mode) else str(given))
+    assert json.loads(json.dumps(config.to_dict()))["recompute"] == config.recompute
 
 
-def test_checkpoint_refuses_an_object_whose_str_is_no_mode() -> None:
+def test_recompute_refuses_an_object_whose_str_is_no_mode() -> None:
     named = r"got <.*_Named object at .*>, whose str\(\) is 'sometimes'"
     with pytest.raises(ValueError, match=named):
-        PipelineConfig(checkpoint=_Named("sometimes"))  # type: ignore[arg-type]  # on purpose
-    with pytest.raises(ValueError, match=r"checkpoint must be one of .*, got 1$"):
-        PipelineConfig(checkpoint=1)  # type: ignore[arg-type]  # wrong on purpose
+        PipelineConfig(recompute=_Named("sometimes"))  # type: ignore[arg-type]  # on purpose
+    with pytest.raises(ValueError, match=r"recompute must be one of .*, got 1$"):
+        PipelineConfig(recompute=1)  # type: ignore[arg-type]  # wrong on purpose
+
+
+def test_checkpoint_is_the_deprecated_name_of_recompute(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        config = PipelineConfig(checkpoint="always", stage_checkpoint=("never", "always"))
+    said = [str(w.message).split(" (")[0] for w in caught]
+    assert said == [
+        "checkpoint= is deprecated and will be removed; it is now recompute=",
+        "stage_checkpoint= is deprecated and will be removed; it is now stage_recompute=",
+    ]
+    assert (config.recompute, config.stage_recompute) == ("always", ("never", "always"))
+    assert (config.checkpoint, config.stage_checkpoint) == (None, None)
+    assert "checkpoint" not in config.to_dict() and config == PipelineConfig(
+        recompute="always", stage_recompute=("never", "always")
+    )
+    with pytest.raises(ValueError, match="both checkpoint= and recompute= are set"):
+        PipelineConfig(checkpoint="always", recompute="except_last")
+    # a plan file written before the rename still loads, its fields under the new names
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        json.dumps({"pipeline": {"balance": [1, 1], "stage_checkpoint": ["always"] * 2}})
+    )
+    with pytest.warns(DeprecationWarning, match="stage_checkpoint is now stage_recompute"):
+        planned = PipelineConfig(stage_recompute=("never", "never")).with_plan(read_plan(plan))
+    assert planned.stage_recompute == ("always", "always")
 
 
 def test_plain_data_round_trips_and_unknown_fields_are_named() -> None:
-    config = PipelineConfig(balance=(2, 4), stage_checkpoint=("never", "always"))
+    config = PipelineConfig(balance=(2, 4), stage_recompute=("never", "always"))
     data = json.loads(json.dumps(config.to_dict()))
     assert data["balance"] == [2, 4]
     assert PipelineConfig.from_dict(data) == config
@@ -151,19 +176,19 @@ def test_sources_resolve_in_order(tmp_path: Path) -> None:
     assert (launched.schedule, launched.trace_dir) == ("zb-h1", "/runs/t")
     own = resolve(base, options={"trace_dir": "mine"}, environ={TRACE_ENV: "/runs/t"})
     assert own.trace_dir == "mine"
-    # the script's own way to split, or its checkpoint, replaces what the plan made for its
+    # the script's own way to split, or its recompute, replaces what the plan made for its
     # own stages
     planned = {"balance": [2, 1, 1, 2], "placement": [0, 1, 0, 1], "num_microbatches": 8}
-    plan.write_text(json.dumps({"pipeline": {**planned, "stage_checkpoint": ["always"] * 4}}))
+    plan.write_text(json.dumps({"pipeline": {**planned, "stage_recompute": ["always"] * 4}}))
     own_split = resolve(base, plan=plan, options={"balance": (3, 3)}, environ={})
-    assert (own_split.balance, own_split.placement, own_split.stage_checkpoint) == (
+    assert (own_split.balance, own_split.placement, own_split.stage_recompute) == (
         (3, 3),
         None,
         None,
     )
     assert own_split.num_microbatches == 8
-    own_checkpoint = resolve(base, plan=plan, options={"checkpoint": "never"}, environ={})
-    assert own_checkpoint.stage_checkpoint is None and own_checkpoint.placement == (0, 1, 0, 1)
+    own_recompute = resolve(base, plan=plan, options={"recompute": "never"}, environ={})
+    assert own_recompute.stage_recompute is None and own_recompute.placement == (0, 1, 0, 1)
     # `conveyor run --dp N` fills an unset data-parallel degree
     assert resolve(base, environ={DP_ENV: "2"}).dp == 2
     assert resolve(base, options={"dp": 4}, environ={DP_ENV: "2"}).dp == 4

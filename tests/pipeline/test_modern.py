@@ -99,8 +99,8 @@ def _correctness(
 ) -> None:
     x = torch.randn(12, 8, dtype=torch.float64)
     y = torch.randn(12, 8, dtype=torch.float64)
-    for schedule, per_rank, m, checkpoint in cases:
-        what = f"{schedule} x{per_rank} m={m} checkpoint={checkpoint} on {world_size} ranks"
+    for schedule, per_rank, m, recompute in cases:
+        what = f"{schedule} x{per_rank} m={m} recompute={recompute} on {world_size} ranks"
         what += ":" if tie else " (no tie):"
         num_stages = per_rank * world_size
         plain = tied_chain(num_stages, tie=tie)
@@ -109,7 +109,7 @@ def _correctness(
             balance=balance(num_stages),
             schedule=schedule,
             num_microbatches=m,
-            checkpoint=checkpoint,
+            recompute=recompute,
             loss_fn=F.mse_loss,
             timeout_s=15,
         )
@@ -348,20 +348,20 @@ rank 1: 1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2
 def _custom(rank: int, world_size: int, path: str) -> None:
     x = torch.randn(9, 8, dtype=torch.float64)
     y = torch.randn(9, 8, dtype=torch.float64)
-    for checkpoint in ("never", "always"):
+    for recompute in ("never", "always"):
         plain = tied_chain(2)
         pipe = conveyor.Pipeline(
             copy.deepcopy(plain),
             balance=balance(2),
             schedule=path,
             num_microbatches=3,
-            checkpoint=checkpoint,
+            recompute=recompute,
             loss_fn=F.mse_loss,
         )
         assert [str(a) for a in pipe.program.compute_only()[rank]] == CUSTOM.strip().splitlines()[
             1 + rank
         ].split(": ")[1].split()
-        check_step(pipe, plain, x, y, f"custom schedule from {path}, {checkpoint}:")
+        check_step(pipe, plain, x, y, f"custom schedule from {path}, {recompute}:")
 
 
 def test_custom_schedule_file_trains_like_plain(tmp_path: Path) -> None:
@@ -386,7 +386,7 @@ def _batch_norm(rank: int, world_size: int) -> None:
     x = torch.randn(12, 4, dtype=torch.float64)
     y = torch.randn(12, 2, dtype=torch.float64)
     m = 3
-    for schedule, checkpoint in (("1f1b", "never"), ("zb-h1", "always"), ("gpipe", "except_last")):
+    for schedule, recompute in (("1f1b", "never"), ("zb-h1", "always"), ("gpipe", "except_last")):
         plain = batch_norm_model()
         # plain BatchNorm layers fed, as one mini-batch, what each layer sees in the pipeline
         whole = {
@@ -405,7 +405,7 @@ def _batch_norm(rank: int, world_size: int) -> None:
             balance=[3, 3],
             schedule=schedule,
             num_microbatches=m,
-            checkpoint=checkpoint,
+            recompute=recompute,
             deferred_batch_norm=True,
             loss_fn=F.mse_loss,
         )
@@ -425,15 +425,15 @@ def _batch_norm(rank: int, world_size: int) -> None:
                             msg=f"{schedule} {name}.{key}",
                         )
 
-    for schedule, checkpoint in (("zb-h1", "always"), ("1f1b", "except_last")):
+    for schedule, recompute in (("zb-h1", "always"), ("1f1b", "except_last")):
         # plain BatchNorm moves its statistics once per micro-batch, recomputed or not (and
         # the last micro-batch's backward, after the others' recomputations, still runs)
         plain = batch_norm_model()
         pipe = conveyor.Pipeline(
             copy.deepcopy(plain), balance=[3, 3], schedule=schedule, num_microbatches=m,
-            checkpoint=checkpoint, loss_fn=F.mse_loss,
+            recompute=recompute, loss_fn=F.mse_loss,
         )  # fmt: skip
-        check_step(pipe, plain, x, y, f"batch norm, {schedule}, {checkpoint}:")
+        check_step(pipe, plain, x, y, f"batch norm, {schedule}, {recompute}:")
         expected = plain.state_dict()
         for key, value in pipe.state_dict().items():
             torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-12, msg=key)

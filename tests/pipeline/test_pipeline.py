@@ -85,13 +85,13 @@ def _equivalence(rank: int, world_size: int, depth: int) -> None:
         y = torch.randn(10, 8, dtype=dtype)
         for schedule in ("gpipe", "1f1b"):
             for m in (1, 2, 3, 8):
-                for checkpoint in ("never", "except_last", "always"):
+                for recompute in ("never", "except_last", "always"):
                     model = tiny(depth).to(dtype)
                     pipe = conveyor.Pipeline(
                         copy.deepcopy(model),
                         num_microbatches=m,
                         schedule=schedule,
-                        checkpoint=checkpoint,
+                        recompute=recompute,
                         loss_fn=F.mse_loss,
                         timeout_s=15,
                     )

@@ -72,7 +72,7 @@ def _profile(num_units: int = 4, **overheads: float) -> Profile:
 def test_profile_costs_sum_units_and_add_overheads_loss_and_recomputation() -> None:
     profile = _profile(forward=0.1, backward=0.2)
     graph, units = layout(profile, split_units(4, [2, 2]))
-    cost = ProfileCost(profile, graph, units, 4, 3, checkpoint=["never", "except_last"])
+    cost = ProfileCost(profile, graph, units, 4, 3, recompute=["never", "except_last"])
     assert cost.compute(Action(0, Kind.F, 0)) == pytest.approx(1 + 2 + 0.1)
     assert cost.compute(Action(0, Kind.B, 0)) == pytest.approx(2 + 3 + 0.2)
     # the last stage adds the loss; it recomputes micro-batches 0 and 1, not the last one
@@ -104,7 +104,7 @@ def test_memory_is_the_largest_micro_batchs_and_time_the_average() -> None:
 def test_recomputation_is_its_own_event_at_the_start_of_its_backward() -> None:
     profile = _profile()
     graph, units = layout(profile, split_units(4, [2, 2]))
-    cost = ProfileCost(profile, graph, units, 4, 3, checkpoint=["never", "except_last"])
+    cost = ProfileCost(profile, graph, units, 4, 3, recompute=["never", "except_last"])
     assert cost.recompute(Action(1, Kind.B, 0)) == pytest.approx(3 + 4 + 0.5)
     assert cost.recompute(Action(1, Kind.B, 2)) == cost.recompute(Action(0, Kind.B, 0)) == 0.0
     timeline = simulate(build_program("1f1b", graph, 3), graph, cost)
@@ -122,7 +122,7 @@ def test_recomputation_is_its_own_event_at_the_start_of_its_backward() -> None:
 def test_activation_memory_is_counted_as_the_meter_counts_it() -> None:
     profile = _profile()
     graph, units = layout(profile, split_units(4, [2, 2]))
-    cost = ProfileCost(profile, graph, units, 4, 3, checkpoint=["never", "always"])
+    cost = ProfileCost(profile, graph, units, 4, 3, recompute=["never", "always"])
     # stage 0: saved 1000 + 2000, its inner output (saved by unit 1) 10, its output 10
     assert cost.activation_bytes(0, 0) == 3000 + 10 + 10
     # stage 1 (recomputed): the received input (10) and the model output (10) only
@@ -131,7 +131,7 @@ def test_activation_memory_is_counted_as_the_meter_counts_it() -> None:
     # between I and W: the saved tensors and W's gradients, not the stage's values; stage 0
     # takes no input that needs a gradient, so W starts from its output's gradient (10)
     assert cost.activation_after_input(0, 0) == 3000 + 10 + 10
-    assert cost.activation_after_input(1, 0) == 10 + 2 * 7  # the input, kept by checkpoint
+    assert cost.activation_after_input(1, 0) == 10 + 2 * 7  # the input, kept for recomputation
     assert cost.static_bytes(0) == (100 + 200) * 4 and cost.static_bytes(1) == (300 + 400) * 4
 
 
@@ -216,7 +216,7 @@ def _memory_worker(rank: int, world_size: int, results: str) -> None:
     lines = []
     for name in sorted(SCHEDULES):
         num_stages, placement = _layout(name, world_size)
-        for checkpoint in ("never", "except_last"):
+        for recompute in ("never", "except_last"):
             units = split_units(profile.num_units, _even(profile.num_units, num_stages))
             pipe = Pipeline(
                 _mlp(),
@@ -225,7 +225,7 @@ def _memory_worker(rank: int, world_size: int, results: str) -> None:
                 placement=tuple(placement),
                 balance=tuple(len(u) for u in units),
                 num_microbatches=num_microbatches,
-                checkpoint=checkpoint,
+                recompute=recompute,
                 measure_memory=True,
             )
             inputs, targets = _batch(batch_size)
@@ -234,10 +234,10 @@ def _memory_worker(rank: int, world_size: int, results: str) -> None:
             measured = pipe.memory().peak_bytes
             graph, units = layout(profile, units, placement)
             cost = ProfileCost(
-                profile, graph, units, batch_size / num_microbatches, num_microbatches, checkpoint
+                profile, graph, units, batch_size / num_microbatches, num_microbatches, recompute
             )
             predicted = predict(build_program(name, graph, num_microbatches), graph, cost)
-            lines.append(f"{name} {checkpoint} {measured} {predicted.peak_activation[rank]}")
+            lines.append(f"{name} {recompute} {measured} {predicted.peak_activation[rank]}")
     Path(results, f"rank{rank}.txt").write_text("\n".join(lines))
 
 
@@ -251,10 +251,10 @@ def test_predicted_peak_activation_memory_matches_the_runtime_meter(tmp_path: Pa
     run_ranks(_memory_worker, tmp_path, timeout_s=240, results=str(tmp_path))
     for rank in range(2):
         for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines():
-            name, checkpoint, measured, predicted = line.split()
+            name, recompute, measured, predicted = line.split()
             # exact for most; the meter keys storages by address, so the allocator reusing an
             # address can move a peak by one small tensor (1 KiB of ~11 KiB here)
-            assert int(predicted) == pytest.approx(int(measured), rel=0.1), (name, checkpoint, rank)
+            assert int(predicted) == pytest.approx(int(measured), rel=0.1), (name, recompute, rank)
 
 
 def test_profile_costs_reject_a_split_that_does_not_cover_the_units() -> None:

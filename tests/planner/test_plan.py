@@ -92,22 +92,22 @@ def test_plans_over_the_budget_are_never_recommended() -> None:
         report.best.schedule,
         report.best.num_microbatches,
         report.best.stage_units,
-        report.best.checkpoint,
+        report.best.recompute,
     ) != (
         unlimited.best.schedule,
         unlimited.best.num_microbatches,
         unlimited.best.stage_units,
-        unlimited.best.checkpoint,
+        unlimited.best.recompute,
     )
 
 
-def test_a_tight_budget_turns_on_checkpointing_and_too_tight_a_budget_says_what_is_needed() -> None:
+def test_a_tight_budget_turns_on_recomputation_and_too_tight_a_budget_says_what_is_needed() -> None:
     profile = _profile([1.0] * 6, saved=100_000)
     free = plan(None, 2, 1 << 40, 8, profile=profile, schedules=["gpipe"], microbatches=[8])
-    assert set(free.best.checkpoint) == {"never"}
+    assert set(free.best.recompute) == {"never"}
     smallest = min(max(p.total_memory) for p in free.plans)
     tight = plan(None, 2, smallest, 8, profile=profile, schedules=["gpipe"], microbatches=[8])
-    assert tight.best.fits and "never" not in set(tight.best.checkpoint)
+    assert tight.best.fits and "never" not in set(tight.best.recompute)
     hopeless = plan(
         None, 2, smallest - 1, 8, profile=profile, schedules=["gpipe"], microbatches=[8]
     )
@@ -153,8 +153,8 @@ def test_a_plan_of_an_sequentials_own_layers_is_a_balance() -> None:
     fields = report.pipeline_config()
     assert fields["balance"] == list(report.best.balance) and "split_points" not in fields
     assert (fields["schedule"], fields["num_microbatches"]) == ("1f1b", 2)
-    # what the prediction assumed, "never" included, so it overrides a script's checkpoint
-    assert fields["stage_checkpoint"] == list(report.best.checkpoint)
+    # what the prediction assumed, "never" included, so it overrides a script's recompute
+    assert fields["stage_recompute"] == list(report.best.recompute)
 
 
 def _factory() -> tuple[nn.Module, object, object]:
@@ -214,7 +214,7 @@ def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: P
     assert read_plan(path)["schedule"] == report.best.schedule
     run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))
     checkpointed = report.pipeline_config(
-        next((p for p in report.plans if "always" in p.checkpoint), report.best)
+        next((p for p in report.plans if "always" in p.recompute), report.best)
     )
     path.write_text(json.dumps({"pipeline": checkpointed}))
     run_ranks(_planned_worker, tmp_path, timeout_s=120, plan_file=str(path))

@@ -174,7 +174,7 @@ def test_every_layer_is_timed_so_balance_by_time_sees_each_delay() -> None:
         schedules=["gpipe"],
         microbatches=[2],
         objectives=("time",),
-        checkpointing=False,
+        recompute=False,
     )
     assert report.best.balance == (4, 2)  # torchgpipe's balance_by_time answer
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tests.dist import run_ranks
 
 from conveyor.runtime.comm import P2P, Meta
+from dist import run_ranks
 
 TIMEOUT = timedelta(seconds=20)
 

@@ -46,11 +46,11 @@ def test_inputs_written_in_place_are_found_in_the_traced_stage() -> None:
 
 
 @pytest.mark.parametrize(
-    ("schedule", "checkpoint"),
+    ("schedule", "recompute"),
     [("graph-gpipe", "never"), ("graph-1f1b", "always"), ("0F0 1F0 1I0 0I0 1W0 0W0", "never")],
 )
 def test_a_stage_starting_with_an_in_place_layer_trains_like_the_whole_model(
-    one_rank: None, tmp_path: Path, schedule: str, checkpoint: str
+    one_rank: None, tmp_path: Path, schedule: str, recompute: str
 ) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -65,7 +65,7 @@ def test_a_stage_starting_with_an_in_place_layer_trains_like_the_whole_model(
         balance=(1, 3),
         placement=(0, 0),
         schedule=schedule,
-        checkpoint=checkpoint,
+        recompute=recompute,
         num_microbatches=1,
         loss_fn=F.mse_loss,
     )

@@ -33,14 +33,14 @@ class Around(nn.Module):
 
 
 def _gathered(rank: int, world_size: int) -> None:
-    for schedule, checkpoint in (("1f1b", "never"), ("zb-h1", "always")):
+    for schedule, recompute in (("1f1b", "never"), ("zb-h1", "always")):
         torch.manual_seed(0)
         model = Around().double()
         pipe = conveyor.Pipeline(
             copy.deepcopy(model),
             split_points=["b"],
             schedule=schedule,
-            checkpoint=checkpoint,
+            recompute=recompute,
             num_microbatches=2,
             loss_fn=F.mse_loss,
         )

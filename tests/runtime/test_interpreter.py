@@ -27,7 +27,7 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # three stages on rank 0: every edge is local; I and W split one stage's backward
 @pytest.mark.parametrize(
-    ("schedule", "checkpoint"),
+    ("schedule", "recompute"),
     [
         ("graph-gpipe", "never"),
         ("graph-1f1b", "always"),
@@ -35,7 +35,7 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     ],
 )
 def test_one_rank_with_every_stage_computes_plain_gradients(
-    one_rank: None, tmp_path: Path, schedule: str, checkpoint: str
+    one_rank: None, tmp_path: Path, schedule: str, recompute: str
 ) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -55,7 +55,7 @@ def test_one_rank_with_every_stage_computes_plain_gradients(
         P2P(None, CPU, timedelta(seconds=5)),
         CPU,
         _loss,
-        checkpoint,
+        recompute,
         seed=0,
         measure_memory=False,
     )  # type: ignore[arg-type]

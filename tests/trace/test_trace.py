@@ -317,7 +317,7 @@ def _recorded_worker(rank: int, world_size: int, root: str) -> None:
         if rank == 0:
             Path(root, f"{name}.json").write_text(json.dumps(timeline.to_dict()))
     recomputing = Pipeline(
-        _model(), trace=True, checkpoint="always", loss_fn=_loss, balance=(3, 2), num_microbatches=4
+        _model(), trace=True, recompute="always", loss_fn=_loss, balance=(3, 2), num_microbatches=4
     )
     recomputing.step(inputs, targets)
     timeline = recomputing.timeline()

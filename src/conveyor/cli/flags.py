@@ -36,6 +36,8 @@ def add_dataclass_flags(
         kind, nargs, choices = _flag_type(hints[field.name])
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{docs.get(field.name, '')} (default: {default})"
+        if field.metadata.get("deprecated"):
+            help_text = argparse.SUPPRESS  # still taken, with the config's warning
         if kind is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text

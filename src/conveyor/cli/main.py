@@ -154,7 +154,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 _NEEDS = {
-    "--profile": ("balance", "batch_size", "checkpoint", "png", "chrome", "save_timeline"),
+    "--profile": ("balance", "batch_size", "recompute", "png", "chrome", "save_timeline"),
     "--decode": ("groups", "new_tokens", "prompt_chunks"),
 }
 """Flags of ``conveyor simulate`` that only mean something with another flag."""

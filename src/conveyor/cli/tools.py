@@ -96,7 +96,7 @@ def add_tool_commands(commands: Any) -> None:
         "plan",
         help="profile a model and find the fastest pipeline plan that fits",
         description="Profile the model once (and the link between two local ranks), search "
-        "split x schedule x micro-batches x checkpointing with the simulator, print the top "
+        "split x schedule x micro-batches x recomputation with the simulator, print the top "
         "plans and write the winner for Pipeline(plan=...) / conveyor run --plan.",
     )
     planner.add_argument(
@@ -131,7 +131,10 @@ def add_tool_commands(commands: Any) -> None:
         help="split objectives to try (default: all)",
     )
     planner.add_argument(
-        "--no-checkpointing", action="store_true", help="never recompute activations"
+        "--no-recompute",
+        "--no-checkpointing",  # the old name, kept for one release
+        action="store_true",
+        help="never recompute activations",
     )
     planner.add_argument("--profile", type=Path, help="reuse a saved profile instead of measuring")
     planner.add_argument("--save-profile", type=Path, help="write the measured profile here")
@@ -231,11 +234,12 @@ def add_simulate_flags(simulate: argparse.ArgumentParser) -> None:
         "profile's smallest micro-batch size)",
     )
     simulate.add_argument(
-        "--checkpoint",
+        "--recompute",
+        "--checkpoint",  # the old name, kept for one release
         nargs="+",
         default=["never"],
         choices=RECOMPUTE_MODES,
-        help="with --profile: activation checkpointing, one mode or one per stage",
+        help="with --profile: activation recomputation, one mode or one per stage",
     )
     simulate.add_argument("--png", type=Path, help="with --profile: write the Gantt chart")
     simulate.add_argument("--chrome", type=Path, help="with --profile: write a Chrome trace")
@@ -275,7 +279,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         schedules=args.schedules,
         microbatches=args.microbatches,
         objectives=args.balance_by,
-        checkpointing=not args.no_checkpointing,
+        recompute=not args.no_recompute,
         time_budget_s=budget,
         input_s=None if args.input_ms is None else args.input_ms / 1e3,
     )
@@ -294,7 +298,7 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     best = report.best  # raises ValueError (exit 2) with the smallest memory any plan needs
     print(
         f"best: {best.schedule}, {best.num_microbatches} micro-batches, stages of "
-        f"{list(best.balance)} units, checkpointing {list(best.checkpoint)}: "
+        f"{list(best.balance)} units, recomputing {list(best.recompute)}: "
         f"{best.step_time * 1e3:.2f} ms/step, {best.samples_per_s:.1f} samples/s"
     )
     if report.input_bound():
@@ -336,7 +340,7 @@ def _plan_mesh(
         schedules=args.schedules,
         microbatches=args.microbatches,
         objectives=args.balance_by,
-        checkpointing=not args.no_checkpointing,
+        recompute=not args.no_recompute,
         time_budget_s=budget,
     )
     print(
@@ -395,7 +399,7 @@ def simulate_profile(args: argparse.Namespace) -> int:
         )
     graph, units = layout(profile, split_units(profile.num_units, balance), placement)
     program = build_program(args.schedule, graph, m)
-    modes = args.checkpoint[0] if len(args.checkpoint) == 1 else list(args.checkpoint)
+    modes = args.recompute[0] if len(args.recompute) == 1 else list(args.recompute)
     prediction = predict(program, graph, ProfileCost(profile, graph, units, batch / m, m, modes))
     prediction.timeline.meta["schedule"] = args.schedule
     print(prediction.timeline.summary_text())

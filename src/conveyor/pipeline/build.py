@@ -39,7 +39,7 @@ from conveyor.torch_compat import is_compiled
 __all__ = [
     "blame_plan",
     "check_model",
-    "check_stage_checkpoint",
+    "check_stage_recompute",
     "default_device",
     "mesh_of",
     "split_as_planned",
@@ -77,12 +77,12 @@ def check_model(model: Any, loss_fn: Any) -> None:
         )
 
 
-def check_stage_checkpoint(config: PipelineConfig, graph: StageGraph) -> None:
+def check_stage_recompute(config: PipelineConfig, graph: StageGraph) -> None:
     """One recompute mode per stage, if modes are given per stage."""
-    modes = config.stage_checkpoint
+    modes = config.stage_recompute
     if modes is not None and len(modes) != graph.num_stages:
         raise ValueError(
-            f"stage_checkpoint {list(modes)} has {len(modes)} modes for {graph.num_stages} "
+            f"stage_recompute {list(modes)} has {len(modes)} modes for {graph.num_stages} "
             "stages; give one mode per stage"
         )
 

@@ -167,7 +167,7 @@ class Pipeline:
         """This rank's Program, and the digest of what every rank must run alike."""
         config = self.config
         self.topology = self.graph.topology()
-        build.check_stage_checkpoint(config, self.graph)
+        build.check_stage_recompute(config, self.graph)
         if not (callable(schedule) and config.schedule == schedule_name(schedule)):
             schedule = config.schedule  # a name, or a plan's schedule over the script's function
         self.program = build_program(schedule, self.topology, config.num_microbatches)
@@ -175,7 +175,7 @@ class Pipeline:
             (
                 str(self.program),
                 [(st.inputs, st.outputs, st.rank) for st in self.graph.stages],
-                config.stage_checkpoint or config.checkpoint,
+                config.stage_recompute or config.recompute,
                 config.loss_reduction,
                 config.seed,
             )
@@ -210,7 +210,7 @@ class Pipeline:
             p2p,
             self.device,
             self.loss_fn or model_loss,
-            config.stage_checkpoint or config.checkpoint,
+            config.stage_recompute or config.recompute,
             config.seed,
             config.measure_memory,
             RuntimeHooks(
@@ -382,7 +382,7 @@ class Pipeline:
             "microbatches": self.config.num_microbatches,
             "ranks": self.num_ranks,
             "split_points": list(self.split_points),
-            "checkpoint": list(self.config.stage_checkpoint or [self.config.checkpoint]),
+            "recompute": list(self.config.stage_recompute or [self.config.recompute]),
             "replicas": self.num_replicas,
             "tp": 1 if self.mesh is None else self.mesh.shape.tp,
         }
@@ -529,6 +529,6 @@ class Pipeline:
             f"{mesh}schedule={self.config.schedule} stages={self.graph.num_stages} "
             f"ranks={self.num_ranks} microbatches={self.config.num_microbatches} "
             f"{build.split_summary(self.graph, self.split_points)} "
-            f"checkpoint={list(self.config.stage_checkpoint or ()) or self.config.checkpoint} "
+            f"recompute={list(self.config.stage_recompute or ()) or self.config.recompute} "
             f"est. bubble={estimate.bubble_fraction:.0%}"
         )

@@ -7,7 +7,7 @@ Modules: ``profile`` (per-layer time and memory), ``calibrate`` (runtime overhea
 between ranks, and fitting a profile to a traced run), ``local`` (all of it on two ranks
 started here, within a deadline), ``cost`` (a profile as the simulator's cost model),
 ``partition`` (optimal splits of a profiled model), ``search`` (the planner) and
-``candidates`` (its splits, checkpointing and simulations per schedule), ``budget``
+``candidates`` (its splits, recomputation and simulations per schedule), ``budget``
 (one time budget for a planning call, measuring included), ``report`` (its plans and plan
 file), ``layouts`` (dp x pp layouts of a world of ranks, each pipeline planned, gradient
 reductions simulated), ``workloads`` (models known by name), ``input`` (whether a plan

@@ -328,7 +328,7 @@ def _traced_and_predicted(
         schedules=[schedule],
         microbatches=[m],
         objectives=("time",),
-        checkpointing=False,
+        recompute=False,
         time_budget_s=None,
     )
     chosen = report.best

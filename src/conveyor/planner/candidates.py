@@ -1,8 +1,8 @@
 """One profile's candidates for the planner (``conveyor.planner.search``): for a schedule and
-a micro-batch count, the optimal splits of each objective, each stage's checkpointing and a
+a micro-batch count, the optimal splits of each objective, each stage's recomputation and a
 lower bound on the step; then simulated, lowest bound first, within a deadline.
 
-    search = Candidates(profile, 2, memory_budget=2**30, batch_size=32, checkpointing=True)
+    search = Candidates(profile, 2, memory_budget=2**30, batch_size=32, recompute=True)
     found = dedupe(search.attempt("1f1b", 8, ["time", "memory"], notes))
     plans, pruned, left_out = search.simulate_best(found, 10, None, WorkClock())
 """
@@ -55,7 +55,7 @@ class Candidate:
 
 
 def dedupe(candidates: list[Candidate]) -> list[Candidate]:
-    """One candidate per schedule, count, split and checkpointing (objectives can agree)."""
+    """One candidate per schedule, count, split and recomputation (objectives can agree)."""
     seen: dict[tuple[Any, ...], Candidate] = {}
     for c in candidates:
         seen.setdefault((c.schedule, c.m, c.cuts, c.modes), c)
@@ -63,7 +63,7 @@ def dedupe(candidates: list[Candidate]) -> list[Candidate]:
 
 
 class Candidates:
-    """Candidates for one (schedule, micro-batch count): DP splits, checkpointing, simulation."""
+    """Candidates for one (schedule, micro-batch count): DP splits, recomputation, simulation."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class Candidates:
         num_ranks: int,
         memory_budget: int,
         batch_size: int,
-        checkpointing: bool,
+        recompute: bool,
         order: list[int] | None = None,
         replicas: Replicas | None = None,
     ) -> None:
@@ -82,7 +82,7 @@ class Candidates:
         self.num_ranks = num_ranks
         self.budget = memory_budget
         self.batch_size = batch_size
-        self.modes: tuple[RecomputeMode, ...] = RECOMPUTE_MODES if checkpointing else ("never",)
+        self.modes: tuple[RecomputeMode, ...] = RECOMPUTE_MODES if recompute else ("never",)
         self.num_units = profile.num_units
         self.can_start = cut_points(profile, num_ranks)
         self.notes: list[str] = []
@@ -137,7 +137,7 @@ class Candidates:
             if cuts is not None:
                 splits.setdefault(cuts, "memory")
         for cuts, objective in splits.items():
-            for modes in self._checkpointing(costs, cuts, inflight, per_rank):
+            for modes in self._recomputing(costs, cuts, inflight, per_rank):
                 plans.append(
                     Candidate(
                         schedule,
@@ -269,7 +269,7 @@ class Candidates:
         memory_share = memory / max(costs.total_memory, 1.0)
         return np.maximum(time_share, memory_share)
 
-    def _checkpointing(
+    def _recomputing(
         self,
         costs: StageCosts,
         cuts: tuple[tuple[int, ...], ...],

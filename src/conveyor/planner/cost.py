@@ -159,7 +159,7 @@ class ProfileCost:
     Args:
         stage_units: unit indices of each stage of ``graph`` (see ``layout``).
         microbatch_size: samples per micro-batch (may be fractional: batch / micro-batches).
-        checkpoint: activation checkpointing, one mode or one per stage (runtime semantics:
+        recompute: activation recomputation, one mode or one per stage (runtime semantics:
             a recomputed stage keeps only its inputs and outputs and reruns its forward in
             backward; 'except_last' keeps the last micro-batch).
         replicas: data-parallel replicas of the pipeline: each stage's gradient reduction
@@ -173,7 +173,7 @@ class ProfileCost:
         stage_units: Sequence[Sequence[int]],
         microbatch_size: float,
         num_microbatches: int,
-        checkpoint: RecomputeMode | Sequence[RecomputeMode] = "never",
+        recompute: RecomputeMode | Sequence[RecomputeMode] = "never",
         replicas: Replicas | None = None,
     ) -> None:
         if len(stage_units) != graph.num_stages:
@@ -187,11 +187,11 @@ class ProfileCost:
         """Each rank's share of the step spent computing (set by ``predict``)."""
         self.microbatch_size = microbatch_size
         self.modes = (
-            [checkpoint] * graph.num_stages if isinstance(checkpoint, str) else list(checkpoint)
+            [recompute] * graph.num_stages if isinstance(recompute, str) else list(recompute)
         )
         if len(self.modes) != graph.num_stages:
             raise ValueError(
-                f"checkpoint lists {len(self.modes)} modes for "
+                f"recompute lists {len(self.modes)} modes for "
                 f"{graph.num_stages} stages; give one per stage"
             )
         stats = profile.at(microbatch_size)
@@ -269,7 +269,7 @@ class ProfileCost:
                 )
             )
             self._after_input.append(saved + weight_grads)
-            # recomputed: checkpointing saves the stage's inputs (through autograd) for I
+            # recomputed: recomputation saves the stage's inputs (through autograd) for I
             self._after_input_recomputed.append(received + weight_grads)
             # the runtime's micro-batches are views of the batch: a stage holds the whole batch
             # of each model input it takes while any of its micro-batches is alive

@@ -5,7 +5,7 @@ each pipeline, with the gradient reductions on the simulated timeline.
     print(report.why()); report.write("plan.json")   # conveyor run --plan plan.json -n 8
 
 For every dp x pp = world size whose replicas split the global batch evenly, the pipeline
-planner (conveyor.planner.search) searches split x schedule x micro-batches x checkpointing
+planner (conveyor.planner.search) searches split x schedule x micro-batches x recomputation
 for one replica's share of the batch, with each stage's gradient reduction over the replicas
 simulated right after its last backward (conveyor.planner.cost.Replicas, a ring over the
 measured link). The fastest layout that fits the memory budget wins.
@@ -124,7 +124,7 @@ class MeshReport:
                 f"no dp x pp layout of {self.world_size} ranks fits "
                 f"{self.memory_budget / 2**30:.2f} GiB per rank: "
                 + "; ".join(m.describe() for m in self.layouts)
-                + "; raise the budget, use FSDP or checkpointing, or a smaller batch"
+                + "; raise the budget, use FSDP or recomputation, or a smaller batch"
             )
         return self.layouts[0]
 
@@ -192,7 +192,7 @@ def plan_mesh(
 ) -> MeshReport:
     """Search dp x pp layouts of ``world_size`` ranks for a global batch of ``batch_size``.
 
-    ``options`` go to ``conveyor.planner.plan`` (objectives, checkpointing, keep). The
+    ``options`` go to ``conveyor.planner.plan`` (objectives, recompute, keep). The
     profile is measured once for every layout's micro-batch sizes unless given. Reductions
     cost what a ring over ``reduce_link`` costs (``conveyor.planner.measure_allreduce``);
     without one, over the profile's all-reduce link, else its point-to-point link (which

@@ -36,8 +36,8 @@ class Plan:
     stage_units: tuple[tuple[int, ...], ...]
     """Unit indices of each stage (see ``conveyor.planner.profile``)."""
     placement: tuple[int, ...]
-    checkpoint: tuple[RecomputeMode, ...]
-    """Activation checkpointing of each stage."""
+    recompute: tuple[RecomputeMode, ...]
+    """Activation recomputation of each stage."""
     balanced_by: Objective
     step_time: float
     bubble_fraction: float
@@ -193,7 +193,7 @@ class PlanReport:
             f"no plan fits in {_gib(self.memory_budget)} per rank; the smallest memory any "
             f"plan needs is {_gib(max(smallest.total_memory))} per rank "
             f"({smallest.schedule}, {smallest.num_microbatches} micro-batches, "
-            f"checkpointing {_modes(smallest.checkpoint)}); raise the budget, add ranks or "
+            f"recomputing {_modes(smallest.recompute)}); raise the budget, add ranks or "
             "use a smaller batch"
             + (f" (not everything was searched: {self.unexplored})" if self.unexplored else "")
         )
@@ -221,7 +221,7 @@ class PlanReport:
             ]
         if list(chosen.placement) != list(range(len(chosen.placement))):
             fields["placement"] = list(chosen.placement)
-        fields["stage_checkpoint"] = list(chosen.checkpoint)  # "never" too: it was predicted
+        fields["stage_recompute"] = list(chosen.recompute)  # "never" too: it was predicted
         if self.replicas is not None and self.replicas.count > 1:
             fields["dp"] = self.replicas.count
             fields["fsdp"] = self.replicas.fsdp
@@ -253,14 +253,14 @@ class PlanReport:
     def table(self, top: int = 10) -> str:
         """The top plans as a text table."""
         rows = [
-            f"{'#':>2}  {'schedule':<17}{'mb':>4}  {'split':<16}{'checkpoint':<14}"
+            f"{'#':>2}  {'schedule':<17}{'mb':>4}  {'split':<16}{'recompute':<14}"
             f"{'step ms':>9}{'samples/s':>11}{'bubble':>8}  {'memory/rank (max)':>17}  fits"
         ]
         for index, p in enumerate(self.plans[:top], start=1):
             split = ",".join(map(str, p.balance))
             rows.append(
                 f"{index:>2}  {p.schedule:<17}{p.num_microbatches:>4}  {_short(split, 15):<16}"
-                f"{_short(_modes(p.checkpoint), 13):<14}{p.step_time * 1e3:>9.2f}"
+                f"{_short(_modes(p.recompute), 13):<14}{p.step_time * 1e3:>9.2f}"
                 f"{p.samples_per_s:>11.1f}{p.bubble_fraction:>8.1%}  "
                 f"{_gib(max(p.total_memory)):>17}  {'yes' if p.fits else 'NO'}"
             )

@@ -1,12 +1,12 @@
 """Plan a pipeline: profile the model once, then search split x schedule x micro-batches x
-activation checkpointing with the simulator.
+activation recomputation with the simulator.
 
     report = plan(example("gpt"), num_ranks=2, memory_budget=2**30, batch_size=32)
 
 Splits come from a dynamic program over the model's units (layers, or graph nodes) that
 minimizes the slowest stage (balance by time), the largest stage memory (by memory) or the
 larger of the two relative to an even share (both), subject to the memory budget; each stage
-then gets the cheapest checkpointing that fits (``conveyor.planner.candidates``). Candidates
+then gets the cheapest recomputation that fits (``conveyor.planner.candidates``). Candidates
 are simulated (``conveyor.planner.cost``) and a plan whose predicted memory exceeds the budget
 is never recommended. A time budget bounds all of it, profiling included (See Note [planning
 budget] in ``conveyor.planner.budget``).
@@ -51,13 +51,13 @@ def plan(
     schedules: Sequence[str] | None = None,
     microbatches: Sequence[int] | None = None,
     objectives: Sequence[Objective] = ("time", "memory", "both", "even"),
-    checkpointing: bool = True,
+    recompute: bool = True,
     keep: int = 10,
     time_budget_s: float | Budget | None = DEFAULT_TIME_BUDGET_S,
     replicas: Replicas | None = None,
     input_s: float | None = None,
 ) -> PlanReport:
-    """Search splits, schedules, micro-batch counts and checkpointing; simulate each candidate.
+    """Search splits, schedules, micro-batch counts and recomputation; simulate each candidate.
 
     Args:
         workload: the model, its batches and loss; profiled here unless ``profile`` is given
@@ -67,7 +67,7 @@ def plan(
         schedules: names from ``SCHEDULES`` (default: every one).
         microbatches: micro-batch counts to try (default: the divisors of ``batch_size`` from
             the number of ranks up to 8 x the stages), nearest 2 x the ranks first.
-        checkpointing: also consider activation checkpointing per stage.
+        recompute: also consider activation recomputation per stage.
         keep: candidates are simulated fastest lower bound first, and once ``keep`` plans
             that fit are known, a candidate whose lower bound (its busiest rank's compute) is
             slower than all of them is not simulated: the top ``keep`` stay exact.
@@ -132,7 +132,7 @@ def plan(
             num_ranks,
             memory_budget,
             batch_size,
-            checkpointing,
+            recompute,
             order,
             replicas,
         )

@@ -103,7 +103,7 @@ class Runtime(Interpreter):
         p2p: P2P,
         device: torch.device,
         loss_fn: LossFn | None,
-        checkpoint: RecomputeMode | Sequence[RecomputeMode],
+        recompute: RecomputeMode | Sequence[RecomputeMode],
         seed: int,
         measure_memory: bool,
         hooks: RuntimeHooks | None = None,
@@ -113,7 +113,7 @@ class Runtime(Interpreter):
         self.p2p = p2p
         self.device = device
         self.loss_fn = loss_fn
-        self.checkpoint = checkpoint
+        self.recompute = recompute
         """One mode for every stage, or one per stage (indexed by stage)."""
         self.seed = seed
         self.modules: dict[int, nn.Module] = {}
@@ -322,7 +322,7 @@ class Runtime(Interpreter):
         return context
 
     def _is_recomputed(self, k: int, s: int) -> bool:
-        mode = self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[s]
+        mode = self.recompute if isinstance(self.recompute, str) else self.recompute[s]
         return self._step.is_training and is_recomputed(mode, k, len(self._step.microbatches))
 
     # -- backward ------------------------------------------------------------------------

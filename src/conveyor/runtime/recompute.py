@@ -1,4 +1,4 @@
-"""Activation recomputation ("checkpoint" in the configuration): its modes and its one rule.
+"""Activation recomputation (``recompute`` in the configuration): its modes and its one rule.
 
     is_recomputed("except_last", microbatch=2, num_microbatches=4)   # True: not the last one
 

@@ -400,7 +400,7 @@ def _refuse_reentrant_checkpointing(model: nn.Module) -> None:
                 f"{type(model).__name__}{f' module {name!r}' if name else ''} has gradient "
                 "checkpointing with use_reentrant=True, which torch.export traces as layers "
                 "without gradients; enable it with {'use_reentrant': False} (transformers 5's "
-                "default), or turn it off and pass checkpoint='always' to the Pipeline"
+                "default), or turn it off and pass recompute='always' to the Pipeline"
             )
 
 
