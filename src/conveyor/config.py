@@ -100,10 +100,12 @@ class SplitConfig:
     than ranks (virtual stages)."""
     virtual_stages: int | None = None
     """Stages per rank when balance, split points or stage modules do not fix the count;
-    default: what the schedule needs (2 for interleaved-1f1b and zb-v, else 1)."""
+    default: what the schedule needs (its spec in conveyor.schedule.SCHEDULES: 2 for
+    interleaved-1f1b, zb-v and dualpipev, else 1)."""
     placement_style: Literal["loop", "v"] | None = None
     """How stages share ranks when placement is not given: 'loop' (stage s on rank s mod p,
-    interleaved-1f1b) or 'v' (down the ranks and back, zb-v); default: the schedule's."""
+    interleaved-1f1b) or 'v' (down the ranks and back, zb-v and dualpipev); default: the
+    schedule's."""
     tie_weights: tuple[str, ...] = ()
     """Parameters to keep as one across stages: each entry a comma-separated group of
     qualified names, e.g. '0.tokens.weight,5.out.weight'. One Parameter object reached from

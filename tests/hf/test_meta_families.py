@@ -118,8 +118,8 @@ ENCODERS = [
     Family("resnet", resnet, double_images, ["resnet.encoder.stages.1"], num_microbatches=1),
 ]
 DECODERS = [
-    # the decoder's embedding and its tied head on two ranks: a tie inside one stage that
-    # weights= fills is two parameters today (conveyor.pipeline.weights wraps each name on its own)
+    # the decoder's embedding and its tied head on two ranks: a tie across stages that
+    # weights= fills once for both
     Family("whisper", whisper, speech_batch, ["model.decoder.layers.0"]),
     Family("falcon", falcon, lambda: text_batch(), ["transformer.h.1"]),
 ]
