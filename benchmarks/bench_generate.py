@@ -8,11 +8,13 @@ predicted; then pipeline vs tensor vs context parallelism for long sequences, on
 Measured: a GPT (8 blocks, width 256, 8 heads, context 1152) generating 128 new tokens after
 prompts of 128 and 1024 tokens, batch 1 and 8: the unsplit model on one process (1 and 2
 threads), and split in two stages on 2 gloo ranks (1 thread each) with one group of sequences
-in flight (the naive pipeline) and with 2 groups, all in the same processes, alternating, one
+in flight (the naive pipeline), with 2 groups, and with the default (as many groups as the
+stages' measured costs predict fastest, chosen at the first call: conveyor.inference.groups),
+all in the same processes, alternating, one
 generation at a time (the unsplit ones on rank 0 while rank 1 waits). Time to first token and
 decode throughput come from the same run (``DecodePipeline.stats``); medians of the repeats.
 Predicted: each stage profiled on both ranks at once
-(``conveyor.planner.decode_cost.profile_stage``), the link and the runtime's per-message costs
+(``conveyor.inference.cost.profile_stage``), the link and the runtime's per-message costs
 measured between the two ranks
 (``conveyor.planner.calibrate``), and the decode Program simulated.
 """
@@ -40,15 +42,14 @@ from report import DOC, write_section
 
 from conveyor.graph import chain
 from conveyor.inference import decode_program
+from conveyor.inference.cost import DecodeCost, StageFit, profile_stage
 from conveyor.inference.prompts import groups_of
 from conveyor.inference.schedule import decode_items
 from conveyor.models import gpt
 from conveyor.pipeline.decode import DecodePipeline, GenerationStats, as_causal_lm
 from conveyor.planner.calibrate import measure_link, measure_overheads
-from conveyor.planner.decode_cost import DecodeCost, StageFit, profile_stage
 from conveyor.planner.parallelism import STRATEGIES, Estimate, LayerCosts, compare
-from conveyor.planner.profile import Link, Overheads
-from conveyor.simulator import simulate
+from conveyor.simulator import Link, Overheads, simulate
 
 FIGURE = DOC.parent / "parallelism.png"
 CASES = [(1, 128), (8, 128), (1, 1024), (8, 1024)]
@@ -66,6 +67,9 @@ def prompts(batch: int, length: int) -> torch.Tensor:
     return torch.randint(0, 96, (batch, length), generator=torch.Generator().manual_seed(length))
 
 
+DEFAULT = "default (groups chosen)"
+
+
 def modes(batch: int, prompt: int) -> dict[str, dict[str, Any]]:
     """Pipelined configurations of a case: generate options by name."""
     found: dict[str, dict[str, Any]] = {"naive pipeline (1 group)": {"num_groups": 1}}
@@ -77,6 +81,7 @@ def modes(batch: int, prompt: int) -> dict[str, dict[str, Any]]:
             "num_groups": groups,
             "prefill_chunk": 256,
         }
+    found[DEFAULT] = {}  # num_groups chosen by the measured costs (conveyor.inference.groups)
     return found
 
 
@@ -113,6 +118,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         results["runs"][(batch, prompt)] = {
             name: gathered[0][name] or gathered[1][name] for name in runs
         }
+        chosen = results["runs"][(batch, prompt)][DEFAULT][-1].num_groups
+        results.setdefault("chosen", {})[(batch, prompt)] = chosen
         print(f"rank {rank}: batch {batch}, prompt {prompt} done", flush=True)
     dist.barrier()
     fits = _profile(decoder, args)  # on both ranks at once: See _profile
@@ -183,7 +190,7 @@ def predicted(
 ) -> tuple[float, float]:
     """(time to first token, decode tokens/s) the simulator predicts for a pipelined run."""
     graph = chain(2)
-    num_groups = min(options.get("num_groups") or 2, batch)
+    num_groups = min(options.get("num_groups") or 1, batch)
     groups = groups_of(batch, num_groups)
     times = []
     for new_tokens in (1, args.new_tokens):
@@ -235,7 +242,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-paper", action="store_true", help="measure only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -294,8 +301,13 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
             rate = _median(stats, "decode_tokens_per_s")
             cells = ["", "", ""]
             if name in pipelined:
+                options = pipelined[name]
+                if name == DEFAULT:
+                    chosen = results["chosen"][(batch, prompt)]
+                    options = {"num_groups": chosen}
+                    name = f"{name}: {chosen}"
                 first, guess = predicted(
-                    results["fits"], args, batch, prompt, pipelined[name], link, overheads
+                    results["fits"], args, batch, prompt, options, link, overheads
                 )
                 cells = [f"{first * 1e3:.0f}", f"{guess:.1f}", f"{guess / rate:.2f}"]
             lines.append(

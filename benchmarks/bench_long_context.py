@@ -35,9 +35,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section
 
+from conveyor.inference.cost import profile_stage
 from conveyor.pipeline.decode import DecodePipeline, as_causal_lm
 from conveyor.planner.calibrate import measure_link
-from conveyor.planner.decode_cost import profile_stage
 from conveyor.planner.parallelism import LayerCosts, estimate
 
 MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")

@@ -21,6 +21,7 @@ MOVED = [
     ("inference.parallelism", "conveyor.planner.parallelism", "compare"),
     ("runtime.faults", "conveyor.pipeline.faults", "install"),
     ("planner.mesh", "conveyor.planner.layouts", "plan_mesh"),
+    ("planner.decode_cost", "conveyor.inference.cost", "DecodeCost"),
 ]
 
 

@@ -1,6 +1,6 @@
 """The documentation is kept true by these checks: code shown in the README is the examples'
-own, every public name and every PipelineConfig field is in docs/api.md, every link goes to
-a file that exists, and no file cites anything outside the repository."""
+own, every public name and every PipelineConfig field is in docs/api.md, every link and every
+file named goes to a file that exists, and no file cites anything outside the repository."""
 
 from __future__ import annotations
 
@@ -57,10 +57,14 @@ def test_every_public_name_and_config_field_is_in_the_api_reference() -> None:
     assert not absent, f"docs/api.md's field table lacks {absent}"
 
 
-def test_every_link_of_the_docs_goes_to_a_file_that_exists() -> None:
+def test_every_link_and_file_named_in_the_docs_exists() -> None:
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to {target}"
+        for path in re.findall(
+            r"\b((?:tests|benchmarks|examples|src)/[\w/]+\.py)\b", page.read_text()
+        ):
+            assert (ROOT / path).exists(), f"{page.name} names {path}, which does not exist"
 
 
 def test_no_file_of_the_project_cites_anything_outside_it() -> None:
@@ -90,13 +94,14 @@ def _family_table() -> dict[str, list[bool]]:
 
 
 def test_the_family_table_of_the_docs_is_what_the_tests_test() -> None:
-    from conveyor.hf.decode import ADAPTERS
-    from conveyor.hf.decode import CONTEXT_PARALLEL as SHARDED
     from test_context_decode import CONTEXT_PARALLEL
     from test_generate_families import FAMILIES as GENERATE
     from test_meta_families import TESTED as META
     from test_weight_keys import FAMILIES as WEIGHTS
     from test_weight_keys import META_PIPELINES
+
+    from conveyor.hf.decode import ADAPTERS
+    from conveyor.hf.decode import CONTEXT_PARALLEL as SHARDED
 
     table = _family_table()
     columns = [

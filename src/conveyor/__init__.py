@@ -87,11 +87,11 @@ _MOVED = {
     "inference.pipeline": "conveyor.pipeline.decode",
     "inference.models": "conveyor.pipeline.decode",
     "inference.hf": "conveyor.hf.decode",
-    "inference.cost": "conveyor.planner.decode_cost",
     "inference.parallelism": "conveyor.planner.parallelism",
     "runtime.faults": "conveyor.pipeline.faults",
     "split.tracing": "conveyor.split.capture",
     "planner.mesh": "conveyor.planner.layouts",
+    "planner.decode_cost": "conveyor.inference.cost",
 }
 
 

@@ -6,7 +6,9 @@
 ``simulate`` runs any Program (any schedule, chain or DAG) on any cost model: ``UnitCost``
 charges whole units of time (schedules are drawn and validated with it), and
 ``conveyor.planner.cost.ProfileCost`` charges what a profile measured, so a predicted
-Timeline can be compared with a measured one on the same picture.
+Timeline can be compared with a measured one on the same picture. ``Link`` (transfers between
+two ranks) and ``Overheads`` (the runtime's costs per action) are the measured parts that
+cost models share, training's (``conveyor.planner``) and decode's (``conveyor.inference.cost``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,16 @@ from conveyor.program import (
 )
 from conveyor.trace import RECOMPUTE, REDUCE, WAIT, Event, Timeline
 
-__all__ = ["CostModel", "DeadlockError", "Execution", "UnitCost", "execute", "simulate"]
+__all__ = [
+    "CostModel",
+    "DeadlockError",
+    "Execution",
+    "Link",
+    "Overheads",
+    "UnitCost",
+    "execute",
+    "simulate",
+]
 
 
 class DeadlockError(ValueError):
@@ -72,6 +83,44 @@ class UnitCost:
 
     def transfer(self, action: Action) -> float:
         return self.latency
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Runtime costs per action beyond the model's own compute, in seconds."""
+
+    forward: float = 0.0
+    """A forward action: random-stream handling, bookkeeping, the stage call."""
+    backward: float = 0.0
+    send: float = 0.0
+    """Issuing one message (its tensors go out in the background)."""
+    recv: float = 0.0
+    """Posting one receive."""
+    wait: float = 0.0
+    """Collecting a receive that has already arrived."""
+    step: float = 0.0
+    """Once per step: splitting the batch into micro-batches and finishing the step."""
+    busy_call: float = 0.0
+    """Extra seconds a send or a receive's posting takes per unit of its peer's busy share:
+    while the peer computes, its transport threads get a core late, and the call waits for
+    them (``conveyor.planner.calibrate.fit`` measures it; See Note [busy ranks])."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Point-to-point transfers between two ranks: time = latency + bytes / bandwidth after
+    the send call returns; the calls themselves cost time per byte on each side too."""
+
+    latency: float
+    bandwidth: float
+    """Bytes per second."""
+    send_per_byte: float = 0.0
+    """Seconds per byte the sender spends in the send call (the transport copies data)."""
+    recv_per_byte: float = 0.0
+    """Seconds per byte the receiver spends posting and collecting a receive."""
+
+    def transfer(self, num_bytes: int) -> float:
+        return self.latency + num_bytes / self.bandwidth
 
 
 # Note [execution semantics]:

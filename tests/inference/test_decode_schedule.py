@@ -9,12 +9,11 @@ import pytest
 
 from conveyor.graph import chain
 from conveyor.inference import decode_items, decode_program
-from conveyor.planner.decode_cost import DecodeCost, Fit, StageFit, pairs
+from conveyor.inference.cost import DecodeCost, Fit, StageFit, pairs
 from conveyor.planner.parallelism import LayerCosts, compare
-from conveyor.planner.profile import Link, Overheads
 from conveyor.program import Action, Kind, Program
 from conveyor.schedule import ProgramError, validate
-from conveyor.simulator import simulate
+from conveyor.simulator import Link, Overheads, simulate
 from conveyor.trace import render_grid
 
 
@@ -112,6 +111,15 @@ def test_fits_recover_their_coefficients() -> None:
     assert fitted.fixed == pytest.approx(1e-3) and fitted.per_token == pytest.approx(2e-5)
     assert fitted.per_pair == pytest.approx(3e-8)
     assert pairs(2, 3, 4) == 2 * (3 * 4 + 6)  # positions 5, 6, 7 see 5 + 6 + 7 keys
+
+
+def test_a_fit_leaves_out_what_its_points_cannot_tell_apart() -> None:
+    truth = Fit(1e-3, 2e-5, 0.0)
+    points = [(r, 16, 0, truth.time(r, 16, 0)) for r in (2, 4, 8)]  # pairs: 8.5 x tokens
+    fitted = Fit.of(points)  # not an arbitrary share of the pairs, which would not extrapolate
+    assert fitted.per_pair == 0 and fitted.fixed == pytest.approx(1e-3)
+    assert fitted.per_token == pytest.approx(2e-5)
+    assert Fit.of([(4, 1, 7, 0.5)]) == Fit(0.5, 0.0, 0.0)  # one point: a constant
 
 
 def test_decode_costs_charge_items_messages_and_overheads() -> None:

@@ -304,13 +304,14 @@ def run(job: GenerateJob, options: dict[str, Any]) -> torch.Tensor | None:
     if stats.time_to_first_token is not None and first_of_group:
         throughput = stats.decode_tokens_per_s
         logger.info(
-            "%d sequences x %d new tokens on %d stages x cp %d (%d groups in flight) in %.3f "
-            "s: time to first token %.1f ms, decode %s tokens/s",
+            "%d sequences x %d new tokens on %d stages x cp %d (%d group%s in flight) in "
+            "%.3f s: time to first token %.1f ms, decode %s tokens/s",
             stats.num_sequences,
             stats.new_tokens,
             decoder.num_ranks,
             decoder.cp_size,
-            decoder.num_groups(len(prompts), config),
+            stats.num_groups,
+            "" if stats.num_groups == 1 else "s",
             stats.seconds,
             stats.time_to_first_token * 1e3,
             "-" if throughput is None else f"{throughput:.1f}",

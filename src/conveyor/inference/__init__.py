@@ -7,10 +7,11 @@ their runtime, under the DecodePipeline facade (conveyor.pipeline.decode).
 Modules: ``lm`` (what a decodable model provides: units, caches, replaceable attention),
 ``gpt`` (conveyor's GPT as one; Hugging Face families are in conveyor.hf.decode), ``cache``
 (static KV caches), ``sampling``, ``prompts``, ``config`` (GenerationConfig), ``schedule``
-(decode Programs), ``runtime`` (their handlers on the interpreter core) and ``context``
-(context parallelism: the KV cache split along the sequence over a cp group). Costing decode
-and comparing parallelisms for one long request is planning (conveyor.planner.decode_cost,
-conveyor.planner.parallelism).
+(decode Programs), ``runtime`` (their handlers on the interpreter core), ``context``
+(context parallelism: the KV cache split along the sequence over a cp group), ``cost``
+(stages measured and fitted, decode Programs costed for the simulator) and ``groups`` (the
+number of groups in flight a generation is predicted fastest with). Comparing parallelisms
+for one long request is planning (conveyor.planner.parallelism).
 """
 
 from conveyor.inference.config import GenerationConfig

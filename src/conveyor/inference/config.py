@@ -44,8 +44,11 @@ class GenerationConfig:
     generate does."""
     num_groups: int | None = None
     """Groups of sequences decoded in flight, each on another rank at a time (the decode
-    analogue of micro-batches); default: one per rank, at most one per sequence. 1 is the
-    naive pipeline, where p - 1 of p ranks idle at every token."""
+    analogue of micro-batches); default: on 2 or more ranks without context parallelism,
+    the count from 1 to two per rank that the stages' measured costs predict fastest (more
+    than one only if predicted 5% faster than one; said in the log), else one per rank; at
+    most one per sequence. 1 is the naive pipeline, where p - 1 of p ranks idle at every
+    token."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill item: a long prompt then flows through the stages in chunks,
     overlapping other groups' work; default: the whole prompt in one item."""

@@ -6,8 +6,10 @@ the generation facade, beside Pipeline.
     tokens = generate(model, input_ids, max_new_tokens=32)     # the unsplit model, one process
 
 Each rank keeps the KV caches of its own stages; the batch is split into groups of sequences
-that are in flight at once (the decode analogue of micro-batches), and the run is a decode
-Program (conveyor.inference.schedule), validated, simulated and traced like training.
+that are in flight at once (the decode analogue of micro-batches), as many as the stages'
+measured costs predict fastest unless ``num_groups`` is given (See Note [choosing groups at
+run time]), and the run is a decode Program (conveyor.inference.schedule), validated,
+simulated and traced like training.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from conveyor.hf.decode import hf_causal_lm, is_hf_model
 from conveyor.inference.config import GenerationConfig, model_defaults
 from conveyor.inference.context import check_supported, context_parallel_lm
 from conveyor.inference.gpt import GptLM, is_gpt
+from conveyor.inference.groups import GroupChoice
 from conveyor.inference.lm import CausalLM
 from conveyor.inference.prompts import (
     generated_length,
@@ -43,6 +46,7 @@ from conveyor.inference.prompts import (
 from conveyor.inference.runtime import Batch, DecodeRuntime
 from conveyor.inference.schedule import decode_items, decode_program
 from conveyor.parallel.context_parallel import cp_groups
+from conveyor.pipeline.decode_groups import GroupChooser
 from conveyor.program import Program
 from conveyor.runtime.comm import P2P, Meta
 from conveyor.runtime.fingerprint import CannotRunError, agree, fingerprint
@@ -71,6 +75,12 @@ class GenerationStats:
     cache_bytes: int = 0
     """Bytes of keys and values this rank's caches held at the end (with context
     parallelism, its shards: about 1/cp of its stages' whole cache)."""
+    num_groups: int = 1
+    """Groups of sequences in flight: ``num_groups`` if given, else chosen (See Note
+    [choosing groups at run time])."""
+    choosing_seconds: float = 0.0
+    """Of ``seconds``, the time spent choosing ``num_groups``: measuring the stages, on the
+    first generation of a batch size and length only."""
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -152,6 +162,17 @@ class DecodePipeline:
         )
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
         self._check_link()
+        self._chooser = (
+            None
+            if p2p is None or self.cp_group is not None
+            else GroupChooser(
+                self.lm, self.graph, self.units, self.rank, self.group, p2p, self.device
+            )
+        )
+        """Chooses the number of groups when ``num_groups`` is not given; None on one rank
+        and with context parallelism, which run one group per rank."""
+        self.choice: GroupChoice | None = None
+        """How the last generate chose its number of groups (None if it did not choose)."""
         self._programs: dict[tuple[int, int, int, int | None], Program] = {}
         self.num_generations = 0
         self.stats: GenerationStats | None = None
@@ -293,8 +314,15 @@ class DecodePipeline:
             self._agree(read, problem)
         assert read is not None  # else raised above
         ids, mask, config = read
-        batch = self._batch(ids, mask, config)
-        program = self.program(len(batch.groups), ids.shape[1], config)
+        choosing = time.perf_counter()
+        with (
+            self._abandoning(f"choosing the groups of generation {self.num_generations}"),
+            _eval_mode(self._local_modules()),
+        ):
+            num_groups = self._groups(int(ids.shape[0]), int(ids.shape[1]), config)
+        choosing = time.perf_counter() - choosing
+        batch = self._batch(ids, mask, config, num_groups)
+        program = self.program(num_groups, ids.shape[1], config)
         if self.recorder is not None:
             self.recorder.begin_step(self.num_generations)
         with self._abandoning(f"generation {self.num_generations}"):
@@ -315,6 +343,8 @@ class DecodePipeline:
             int(ids.shape[0]),
             length,
             self._runtime.final_cache_bytes,
+            num_groups,
+            choosing,
         )
         return None if new is None else torch.cat([ids.to(new.device), new[:, :length]], 1)
 
@@ -342,9 +372,18 @@ class DecodePipeline:
             self._programs[key] = decode_program(self.graph.topology(), items)
         return self._programs[key]
 
-    def num_groups(self, batch_size: int, config: GenerationConfig) -> int:
-        """Groups in flight: ``num_groups``, else one per rank, at most one per sequence."""
-        return min(config.num_groups or self.num_ranks, batch_size)
+    def _groups(self, batch_size: int, prompt_length: int, config: GenerationConfig) -> int:
+        """Groups in flight, at most one per sequence: ``num_groups`` if given; else the
+        fastest predicted from the stages' measured costs (See Note [choosing groups at run
+        time]); on one rank or with context parallelism, one per rank (as before there was
+        a choice: cp ranks' attention exchanges are not in the cost model)."""
+        self.choice = None
+        if config.num_groups is not None:
+            return min(config.num_groups, batch_size)
+        if self._chooser is None or batch_size == 1:
+            return min(self.num_ranks, batch_size)
+        self.choice = self._chooser.choose(batch_size, prompt_length, config)
+        return self.choice.num_groups
 
     def cache_bytes(self, batch_size: int, positions: int) -> list[int]:
         """KV-cache bytes each rank needs for ``batch_size`` sequences of ``positions``."""
@@ -423,10 +462,11 @@ class DecodePipeline:
                     "batch or split the model over more ranks"
                 )
 
-    def _batch(self, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> Batch:
+    def _batch(
+        self, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig, num_groups: int
+    ) -> Batch:
         new = torch.ones((ids.shape[0], config.max_new_tokens), dtype=torch.bool)
         key_mask = torch.cat([mask, new], dim=1)
-        num_groups = self.num_groups(ids.shape[0], config)
         return Batch(
             ids.to(self.device),
             key_mask.to(self.device),

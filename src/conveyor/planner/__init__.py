@@ -11,8 +11,8 @@ started here, within a deadline), ``cost`` (a profile as the simulator's cost mo
 (one time budget for a planning call, measuring included), ``report`` (its plans and plan
 file), ``layouts`` (dp x pp layouts of a world of ranks, each pipeline planned, gradient
 reductions simulated), ``workloads`` (models known by name), ``input`` (whether a plan
-waits for its loader), ``decode_cost`` (decode Programs costed for the simulator) and
-``parallelism`` (pipeline, tensor and context parallelism for one long request).
+waits for its loader) and ``parallelism`` (pipeline, tensor and context parallelism for one
+long request, on decode's costs: conveyor.inference.cost).
 """
 
 from conveyor.planner.budget import DEFAULT_TIME_BUDGET_S, Budget

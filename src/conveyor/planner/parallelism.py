@@ -1,5 +1,5 @@
 """Pipeline vs tensor vs context parallelism for long-sequence inference, on paper: one long
-request on P devices, from per-layer costs (measured and fitted, conveyor.planner.decode_cost) and
+request on P devices, from per-layer costs (measured and fitted, conveyor.inference.cost) and
 a link model, each strategy run through the simulator as a decode Program.
 
     costs = LayerCosts(embed=..., block=..., head=..., hidden_size=1024, ...)
@@ -35,11 +35,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from conveyor.graph import chain
+from conveyor.inference.cost import DecodeCost, Fit, StageFit
 from conveyor.inference.schedule import Item, decode_items, decode_program
-from conveyor.planner.decode_cost import DecodeCost, Fit, StageFit
-from conveyor.planner.profile import Link
 from conveyor.program import Action, Kind
-from conveyor.simulator import simulate
+from conveyor.simulator import Link, simulate
 
 __all__ = ["STRATEGIES", "Estimate", "LayerCosts", "Strategy", "compare", "estimate"]
 

@@ -34,6 +34,7 @@ from conveyor.files import write_atomic
 from conveyor.planner.budget import passed
 from conveyor.runtime.backward import WeightGrad, backward_input, grad_leaves
 from conveyor.runtime.host_memory import keep_freed_memory
+from conveyor.simulator import Link, Overheads  # kept with the simulator, named here too
 from conveyor.split.capture import capture_graph
 from conveyor.split.inputs import bind_inputs
 from conveyor.split.untouched import untouched
@@ -125,44 +126,6 @@ class UnitStats:
             round(mix(self.message_bytes, other.message_bytes)),
             round(mix(self.weight_grad_bytes, other.weight_grad_bytes)),
         )
-
-
-@dataclass(frozen=True)
-class Overheads:
-    """Runtime costs per action beyond the model's own compute, in seconds."""
-
-    forward: float = 0.0
-    """A forward action: random-stream handling, bookkeeping, the stage call."""
-    backward: float = 0.0
-    send: float = 0.0
-    """Issuing one message (its tensors go out in the background)."""
-    recv: float = 0.0
-    """Posting one receive."""
-    wait: float = 0.0
-    """Collecting a receive that has already arrived."""
-    step: float = 0.0
-    """Once per step: splitting the batch into micro-batches and finishing the step."""
-    busy_call: float = 0.0
-    """Extra seconds a send or a receive's posting takes per unit of its peer's busy share:
-    while the peer computes, its transport threads get a core late, and the call waits for
-    them (``conveyor.planner.calibrate.fit`` measures it; See Note [busy ranks])."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """Point-to-point transfers between two ranks: time = latency + bytes / bandwidth after
-    the send call returns; the calls themselves cost time per byte on each side too."""
-
-    latency: float
-    bandwidth: float
-    """Bytes per second."""
-    send_per_byte: float = 0.0
-    """Seconds per byte the sender spends in the send call (the transport copies data)."""
-    recv_per_byte: float = 0.0
-    """Seconds per byte the receiver spends posting and collecting a receive."""
-
-    def transfer(self, num_bytes: int) -> float:
-        return self.latency + num_bytes / self.bandwidth
 
 
 @dataclass

@@ -9,14 +9,17 @@ A stage's time is fitted as ``fixed + per_token * tokens + per_pair * pairs``, w
 are rows x the item's length and pairs are the query-key pairs its attention scores (rows x
 the sum over its tokens of the positions each sees); decode items (one token) and prefill
 chunks get separate fits, since a one-row-per-sequence matrix product runs at another speed
-than a chunk's.
+than a chunk's. ``profile_stage`` measures wherever it is asked to (benchmarks, the planner's
+comparison of parallelisms); ``profile_generation`` measures a stage in a fraction of a
+generation's time, at the shapes ``DecodePipeline`` chooses its groups by
+(conveyor.inference.groups).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,10 +31,18 @@ from conveyor.inference.lm import CausalLM, Context
 from conveyor.inference.prompts import positions_of
 from conveyor.inference.sampling import Sampler
 from conveyor.inference.schedule import Item
-from conveyor.planner.profile import Link, Overheads
 from conveyor.program import Action, Kind
+from conveyor.simulator import Link, Overheads
 
-__all__ = ["DecodeCost", "Fit", "StageFit", "pairs", "profile_stage"]
+__all__ = [
+    "DecodeCost",
+    "Fit",
+    "StageFit",
+    "decode_point",
+    "pairs",
+    "profile_generation",
+    "profile_stage",
+]
 
 
 def pairs(rows: int, length: int, start: int) -> float:
@@ -67,21 +78,37 @@ class Fit:
 
     @classmethod
     def of(cls, points: Sequence[tuple[int, int, int, float]]) -> Fit:
-        """Least squares through (rows, length, start, seconds) points, coefficients >= 0."""
+        """Least squares through (rows, length, start, seconds) points, coefficients >= 0.
+
+        A coefficient the points cannot tell from the others (every point's pairs a multiple
+        of its tokens, say: one chunk length from empty caches) is left at 0, per_pair first,
+        rather than given an arbitrary share that would not extrapolate.
+        """
         columns = [
             [1.0, rows * length, pairs(rows, length, start)] for rows, length, start, _ in points
         ]
         a, y = np.array(columns), np.array([p[3] for p in points])
         keep = [0, 1, 2]
-        while True:  # drop a coefficient the fit makes negative and refit (tiny NNLS)
+        while True:  # drop what the points cannot tell apart, or a negative, and refit
+            if len(keep) > 1 and _rank(a[:, keep]) < len(keep):
+                keep.remove(2 if 2 in keep else keep[-1])
+                continue
             solution = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
             if (solution >= 0).all() or len(keep) == 1:
                 break
-            keep.pop(int(np.argmin(solution)))
+            keep.pop(int(np.argmin(solution)))  # (a tiny NNLS)
         values = [0.0, 0.0, 0.0]
         for index, value in zip(keep, solution, strict=True):
             values[index] = max(float(value), 0.0)
         return cls(*values)
+
+
+def _rank(a: np.ndarray) -> int:
+    """Rank of ``a`` with its columns scaled alike (seconds, tokens and pairs differ by orders
+    of magnitude, which would hide a dependence from lstsq's own cut-off)."""
+    norms = np.linalg.norm(a, axis=0)
+    scaled = a / np.where(norms > 0, norms, 1.0)
+    return int(np.linalg.matrix_rank(scaled, tol=1e-9 * max(a.shape)))
 
 
 @dataclass(frozen=True)
@@ -140,8 +167,94 @@ def profile_stage(
     return StageFit(decode_fit, Fit.of(prefill) if prefill else decode_fit)
 
 
+def profile_generation(
+    lm: CausalLM,
+    stages: Sequence[range],
+    rows: Sequence[int],
+    prompt_length: int,
+    max_new_tokens: int,
+    *,
+    config: GenerationConfig | None = None,
+    device: torch.device | str = "cpu",
+    chunk: int = 8,
+    steps: int = 3,
+    sync: Callable[[], None] | None = None,
+) -> list[StageFit]:
+    """Each of ``stages`` measured briefly at the shapes of a generation of ``max_new_tokens``
+    after prompts of ``prompt_length`` tokens in groups of each of ``rows`` sequences, and fit.
+
+    A cache per row count, filled with one token, except the most rows' (with a prompt chunk
+    of ``chunk`` tokens), and one more of the fewest rows filled as far as the generation's
+    middle, where its average token sits, so that the per-pair terms are measured over the
+    lengths they are used at; the two longer fills are timed (prefill points). Filling costs
+    rows x positions, so only the fewest rows go far. Then ``steps`` rounds of one token on
+    every cache in turn, so that a burst of other work on the machine slows every shape alike;
+    each cache's median is a decode point. ``sync`` runs before the filling and before the
+    rounds: a barrier, so that ranks measure at the same time.
+    """
+    config = config or GenerationConfig()
+    device = torch.device(device)
+    end = prompt_length + max_new_tokens  # positions the generation reaches (within context)
+    steps = max(1, min(steps, end - 1))
+    longest = max(1, min(prompt_length + max_new_tokens // 2, end - steps))
+    ordered = sorted(set(rows), reverse=True)
+    shapes = [(r, min(chunk, longest) if r == ordered[0] else 1) for r in ordered]
+    if longest > shapes[-1][1]:
+        shapes.append((ordered[-1], longest))
+    prefill: list[list[tuple[int, int, int, float]]] = [[] for _ in stages]
+    runners: list[tuple[int, _Runner, list[float]]] = []
+    with torch.no_grad():
+        for units in stages:  # untimed: a model's first calls allocate
+            warm = _Runner(lm, units, ordered[-1], 2, config, device)
+            warm.step(1)
+            warm.step(1)
+        if sync is not None:
+            sync()
+        for r, fill in shapes:
+            for index, units in enumerate(stages):
+                runner = _Runner(lm, units, r, fill + steps, config, device)
+                seconds = runner.step(fill)
+                if fill > 1:
+                    prefill[index].append((r, fill, 0, seconds))
+                runners.append((index, runner, []))
+        if sync is not None:
+            sync()
+        for _ in range(steps):
+            for _, runner, times in runners:
+                times.append(runner.step(1))
+    decode: list[list[tuple[int, int, int, float]]] = [[] for _ in stages]
+    for index, runner, times in runners:
+        start = runner.start - steps + steps // 2  # the middle step's
+        decode[index].append((runner.rows, 1, start, statistics.median(times)))
+    return [
+        StageFit(Fit.of(d), Fit.of(p) if p else Fit.of(d))
+        for d, p in zip(decode, prefill, strict=True)
+    ]
+
+
+def decode_point(
+    lm: CausalLM,
+    units: range,
+    rows: int,
+    *,
+    config: GenerationConfig | None = None,
+    device: torch.device | str = "cpu",
+    steps: int = 3,
+) -> tuple[int, int, int, float]:
+    """(rows, 1, start, seconds): the median of ``steps`` one-token steps of ``units`` on
+    ``rows`` sequences after a one-token prompt, a point as ``Fit.of`` takes them."""
+    config = config or GenerationConfig()
+    with torch.no_grad():
+        runner = _Runner(lm, units, rows, 1 + steps, config, torch.device(device))
+        runner.step(1)
+        times = [runner.step(1) for _ in range(steps)]
+    return rows, 1, 1 + steps // 2, statistics.median(times)
+
+
 class _Runner:
-    """A stage with its cache, fed random inputs, timed step by step."""
+    """A stage with its cache, fed random inputs, timed step by step. The inputs come from a
+    generator of its own: measuring leaves the process's random stream as it was (ranks that
+    draw the same batches after a generate still do)."""
 
     def __init__(
         self,
@@ -158,16 +271,21 @@ class _Runner:
         self.mask = torch.ones((rows, capacity), dtype=torch.bool, device=device)
         self.positions = positions_of(self.mask)
         self.start = 0
+        self.generator = torch.Generator(device).manual_seed(0)
 
     def step(self, length: int) -> float:
         """Seconds to run ``length`` more tokens (and sample, on the last stage)."""
         end = self.start + length
         context = Context(self.positions[:, self.start : end], self.mask[:, :end], self.start)
         if 0 in self.units:
-            x = torch.randint(0, self.lm.vocab_size, (self.rows, length), device=self.device)
+            ids = (self.rows, length)
+            x = torch.randint(
+                0, self.lm.vocab_size, ids, generator=self.generator, device=self.device
+            )
         else:
-            shape = (self.rows, length, self.lm.hidden_size)
-            x = torch.randn(shape, dtype=self.lm.dtype, device=self.device)
+            hidden = (self.rows, length, self.lm.hidden_size)
+            x = torch.randn(hidden, generator=self.generator, device=self.device)
+            x = x.to(self.lm.dtype)
         begin = time.perf_counter()
         out = self.lm.run(self.units, x, self.cache, context)
         if self.sampler is not None:
