@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import DOC, write_section
+from report import DOC, publishable, write_section
 
 from conveyor.graph import chain
 from conveyor.inference import decode_program
@@ -244,12 +244,22 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-paper", action="store_true", help="measure only")
+    parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
+    parser.add_argument("--force", action="store_true", help="publish even on a shared machine")
     args = parser.parse_args()
+    loads = [os.getloadavg()[0]]
+    print(f"load average before: {loads[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
         mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
         results = torch.load(out, weights_only=False)
-    write_section("generate", render(args, results))
+    loads.append(os.getloadavg()[0])
+    results["loads"] = loads
+    text = render(args, results)
+    print(text)
+    if args.no_write or not publishable(loads, args.force):
+        return
+    write_section("generate", text)
     if not args.skip_paper:
         costs = paper_costs()
         measured = compare(costs, PAPER_LAYERS, results["link"], PAPER_DEVICES, PAPER_PROMPTS)
@@ -284,9 +294,9 @@ def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
         f"{overheads.send * 1e6:.0f} us, receive {overheads.recv * 1e6:.0f} us).",
         "",
         f"Command: `python benchmarks/bench_generate.py` on {platform.machine()}, "
-        f"{os.cpu_count()} CPU cores, torch {torch.__version__}; load average at the end "
-        f"{os.getloadavg()[0]:.1f} (other jobs on the same cores slow every row, and the ranks "
-        "unevenly).",
+        f"{os.cpu_count()} CPU cores, torch {torch.__version__}, {args.repeats} rounds; load "
+        f"average {results['loads'][0]:.2f} before and {results['loads'][-1]:.2f} at the end "
+        "(the benchmark's own two ranks included).",
         "",
         "| batch | prompt | run | TTFT (ms) | decode tokens/s | vs naive pipeline | "
         "vs unsplit 1 thread | predicted TTFT (ms) | predicted tokens/s | predicted / measured |",
@@ -353,7 +363,12 @@ def draw(measured: list[Estimate], fast: list[Estimate]) -> None:
 
     prompt = 131072
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    styles = {"pipeline": "tab:blue", "tensor": "tab:red", "context": "tab:green"}
+    styles = {
+        "pipeline": "tab:blue",
+        "tensor": "tab:red",
+        "context": "tab:green",
+        "pipeline x context": "tab:purple",
+    }
     for estimates, dashes, label in [(measured, "-", "measured link"), (fast, "--", "fast link")]:
         for strategy in STRATEGIES:
             rows = [e for e in estimates if e.strategy == strategy and e.prompt == prompt]

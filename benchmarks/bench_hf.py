@@ -3,7 +3,7 @@
     python benchmarks/bench_hf.py          # GPT-2, Llama, Qwen2, Mistral x 1f1b, interleaved-1f1b
     python benchmarks/bench_hf.py --rounds 1 --steps 2 --warmup 1 --no-write   # a quick look
     python benchmarks/bench_hf.py --models llama qwen2 --schedules interleaved-1f1b --no-write
-    python benchmarks/bench_hf.py --force  # publish even if the load average went above 1.5
+    python benchmarks/bench_hf.py --force  # publish even if other work shared the machine
 
 Both systems split the same unedited model (transformers, small config, random weights,
 ``use_cache=False``) before the same layers, 2 stages for 1f1b and 4 (2 per rank, loop
@@ -19,7 +19,7 @@ step + optimizer step between barriers; a round's figure is the median of its st
 table's the median over rounds. Where a system fails on a row, the failing rank's error is
 the row's cell, and that system is not run on the row again. The first step's losses of the
 two systems are printed and compared. Results go to the `hf` section of docs/benchmarks.md,
-unless the load average exceeded 1.5 during the run (``--force`` publishes anyway).
+unless other work shared the machine (report.publishable; ``--force`` publishes anyway).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ootb import RANKS, ROOT, load_average, shared
-from report import BUSY, bootstrap_interval, publishable, write_section
+from report import bootstrap_interval, publishable, write_section
 
 VOCAB = 2048
 SYSTEMS = ("conveyor", "torch")
@@ -327,7 +327,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument(
-        "--force", action="store_true", help=f"publish even if the load average exceeded {BUSY}"
+        "--force", action="store_true", help="publish even if other work shared the machine"
     )
     return parser.parse_args(argv)
 
@@ -378,7 +378,6 @@ def summary(result: dict[str, Any]) -> str:
 def render(
     args: argparse.Namespace, command: str, results: Results, loads: list[float], seconds: float
 ) -> str:
-    busy = max(loads) > BUSY
     lines = [
         "## Hugging Face models: conveyor vs torch.distributed.pipelining, each out of the box",
         "",
@@ -389,7 +388,7 @@ def render(
         + (
             " — the CPU was shared with other work, so step times are noisier and slower "
             "than on an idle machine; ratios come from alternating rounds."
-            if shared(loads) or busy
+            if shared(loads)
             else "."
         ),
         "",

@@ -8,10 +8,11 @@ The model is conveyor's benchmark GPT (benchmarks/ootb.py) with a Llama-sized vo
 32,768 tokens: embedding, 8 blocks of width 256, head; its head and loss cost many blocks.
 Before the rounds, ``conveyor.split.balance.balance_by_cost`` measures its layers in this
 process (one thread, freed host memory kept, as a conveyor rank runs) and chooses the
-balance per schedule; that balance is passed as ``balance=`` (the Pipeline does not call it
-by itself yet). Each system then runs in fresh processes of its own (2 gloo ranks, 1 thread
-each; torch's never import conveyor), the four rows alternating round by round. Results go to
-the `llm-balance` section of docs/benchmarks.md.
+balance per schedule, as a Pipeline given the number of stages and ``example_inputs`` does by
+itself (here with the loss timed too); that balance is passed as ``balance=`` so that every
+round runs the same split. Each system then runs in fresh processes of its own (2 gloo ranks,
+1 thread each; torch's never import conveyor), the four rows alternating round by round.
+Results go to the `llm-balance` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--section", default="llm-balance")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument(
-        "--force", action="store_true", help="publish even if the load average exceeded 1.5"
+        "--force", action="store_true", help="publish even if other work shared the machine"
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -233,8 +233,7 @@ def main() -> None:
             "",
             *fast,
             "",
-            "This is the shape Megatron-LM reports (Narayanan et al., SC'21, section 5.4): at "
-            "a fixed number of ranks and batch per rank, a longer pipeline costs throughput "
+            "At a fixed number of ranks and batch per rank, a longer pipeline costs throughput "
             "(its bubble, (p-1)/(m+p-1) of the step, grows with p), so pipeline parallelism "
             "is used as far as memory needs and data parallelism scales out.",
         ]

@@ -62,7 +62,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--section", default="schedules")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument(
-        "--force", action="store_true", help="publish even if the load average exceeded 1.5"
+        "--force", action="store_true", help="publish even if other work shared the machine"
     )
     parser.add_argument("--save", help="write the raw results here (JSON) after every run")
     parser.add_argument("--render", help="report the results --save wrote instead of running")

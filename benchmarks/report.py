@@ -7,7 +7,7 @@ import re
 import tempfile
 from pathlib import Path
 
-__all__ = ["BUSY", "bootstrap_interval", "publishable", "write_section"]
+__all__ = ["OWN", "QUIET", "bootstrap_interval", "publishable", "write_section"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = (
@@ -47,16 +47,22 @@ def bootstrap_interval(
     return low, high
 
 
-BUSY = 1.5
-"""Load average above which a benchmark does not publish its figures unless told to."""
+QUIET = 1.0
+"""Load average a benchmark must start under: nothing else running."""
+OWN = 2.5
+"""Load average a benchmark's own two busy ranks may raise it to (and a little more); above
+it, other work joined in."""
 
 
-def publishable(loads: list[float], force: bool) -> bool:
-    """Whether figures measured at these load averages may be published (print why not)."""
-    if max(loads) <= BUSY or force:
+def publishable(loads: list[float], force: bool, own: float = OWN) -> bool:
+    """Whether figures measured at these load averages (the first before the run, the others
+    during and after it) may be published; ``own``: the most the benchmark's own processes
+    may make it. Prints why not."""
+    if force or (loads[0] <= QUIET and max(loads) <= own):
         return True
     print(
-        f"not published: the load average reached {max(loads):.2f} (above {BUSY}): other work "
-        "shared the cores; rerun on a quiet machine, or pass --force to publish it marked"
+        f"not published: the load average was {loads[0]:.2f} before the run (at most {QUIET}) "
+        f"and reached {max(loads):.2f} during it (at most {own}, the benchmark's own processes): "
+        "other work shared the cores; rerun on a quiet machine, or pass --force"
     )
     return False

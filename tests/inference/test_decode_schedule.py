@@ -120,6 +120,12 @@ def test_a_fit_leaves_out_what_its_points_cannot_tell_apart() -> None:
     assert fitted.per_pair == 0 and fitted.fixed == pytest.approx(1e-3)
     assert fitted.per_token == pytest.approx(2e-5)
     assert Fit.of([(4, 1, 7, 0.5)]) == Fit(0.5, 0.0, 0.0)  # one point: a constant
+    # one sequence, one token, several cache lengths: per_token is fixed's copy, and the cost
+    # of attending over the cache (per_pair) is what the points tell
+    decode = Fit(2e-3, 0.0, 3e-8)
+    fitted = Fit.of([(1, 1, s, decode.time(1, 1, s)) for s in (1024, 8192, 65536)])
+    assert fitted.per_token == 0 and fitted.per_pair == pytest.approx(3e-8)
+    assert fitted.fixed == pytest.approx(2e-3)
 
 
 def test_decode_costs_charge_items_messages_and_overheads() -> None:

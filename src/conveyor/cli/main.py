@@ -15,6 +15,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from conveyor.cli.flags import add_dataclass_flags, build_dataclass, read_toml
 from conveyor.cli.generate import add_decode_flags, add_generate_command, simulate_decode
@@ -58,7 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    _add_run_command(commands)
+    _add_demo_command(commands)
+    add_tool_commands(commands)
+    add_generate_command(commands)
+    _add_simulate_command(commands)
+    return parser
 
+
+def _add_run_command(commands: Any) -> None:
     run = commands.add_parser(
         "run",
         help="run a script on N local ranks under torchrun",
@@ -83,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(command=_run, run_parser=run)
 
+
+def _add_demo_command(commands: Any) -> None:
     demo = commands.add_parser("demo", help="train the shipped GPT, pipelined over local ranks")
     demo.add_argument("--config", type=Path, help="TOML file with demo and pipeline fields")
     demo.add_argument(
@@ -97,9 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     add_dataclass_flags(demo, PipelineConfig, skip=("trace", "trace_dir"))
     demo.set_defaults(command=_demo)
 
-    add_tool_commands(commands)
-    add_generate_command(commands)
 
+def _add_simulate_command(commands: Any) -> None:
     simulate = commands.add_parser(
         "simulate",
         help="print a schedule's Program as a rank x time grid, without starting processes",
@@ -134,7 +144,6 @@ def _parser() -> argparse.ArgumentParser:
     add_simulate_flags(simulate)
     add_decode_flags(simulate)
     simulate.set_defaults(command=_simulate, simulate_parser=simulate)
-    return parser
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -92,6 +92,11 @@ def seconds_or_none(text: str) -> float | None:
 
 def add_tool_commands(commands: Any) -> None:
     """Add the ``plan`` and ``trace`` subcommands to the ``conveyor`` parser."""
+    _add_plan_command(commands)
+    _add_trace_command(commands)
+
+
+def _add_plan_command(commands: Any) -> None:
     planner = commands.add_parser(
         "plan",
         help="profile a model and find the fastest pipeline plan that fits",
@@ -145,6 +150,14 @@ def add_tool_commands(commands: Any) -> None:
         "measure runtime overheads and the link and to fit the profile to a "
         "traced run (the prediction then leaves them out)",
     )
+    _add_plan_scope_flags(planner)
+    planner.add_argument("--out", type=Path, help="write the best plan to this file")
+    planner.add_argument("--top", type=positive_int, default=10, help="plans to print (default 10)")
+    planner.set_defaults(command=_plan)
+
+
+def _add_plan_scope_flags(planner: argparse.ArgumentParser) -> None:
+    """The flags of ``conveyor plan`` that set what it plans for: a mesh, its time, its input."""
     planner.add_argument(
         "--world-size",
         type=int,
@@ -174,10 +187,9 @@ def add_tool_commands(commands: Any) -> None:
         help="milliseconds the training loader takes per batch (conveyor.planner."
         "loader_seconds measures it): the best plan is checked for waiting on its input",
     )
-    planner.add_argument("--out", type=Path, help="write the best plan to this file")
-    planner.add_argument("--top", type=positive_int, default=10, help="plans to print (default 10)")
-    planner.set_defaults(command=_plan)
 
+
+def _add_trace_command(commands: Any) -> None:
     tracer = commands.add_parser(
         "trace",
         help="render a run recorded with --trace DIR",

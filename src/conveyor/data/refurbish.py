@@ -25,8 +25,8 @@ _SAVED = ("num_samples", "batch_size", "seed", "shuffle", "reuse", "echo", "wind
 
 class Refurbish:
     """Batches of a map-style dataset in which each partially augmented sample is used
-    ``reuse`` times, each use finished by ``final`` with its own randomness (Refurbish,
-    Lee et al., USENIX ATC 2021); ``state_dict`` is the position, as ResumableLoader's.
+    ``reuse`` times, each use finished by ``final`` with its own randomness;
+    ``state_dict`` is the position, as ResumableLoader's.
 
         loader = Refurbish(images, 64, partial=DecodeCrop(32), batch_final=FlipJitter(),
                            reuse=3, cache_bytes=64 * 2**20, num_workers=2)
@@ -40,7 +40,7 @@ class Refurbish:
     flip, colour jitter, normalize, cutout) run on every use, in this process. The uses of a
     sample land in different batches (See Note [reuse windows]). An epoch has ``reuse`` times
     the batches of ResumableLoader's; with ``reuse=1`` it is ResumableLoader's epoch, batch for
-    batch. ``echo=True`` is Data Echoing instead (Choi et al. 2019): the fully augmented sample
+    batch. ``echo=True`` is Data Echoing instead: the fully augmented sample
     is reused, ``final`` runs once per sample. Any callables serve; conveyor.data.vision has
     image ones.
 

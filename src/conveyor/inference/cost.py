@@ -80,9 +80,10 @@ class Fit:
     def of(cls, points: Sequence[tuple[int, int, int, float]]) -> Fit:
         """Least squares through (rows, length, start, seconds) points, coefficients >= 0.
 
-        A coefficient the points cannot tell from the others (every point's pairs a multiple
-        of its tokens, say: one chunk length from empty caches) is left at 0, per_pair first,
-        rather than given an arbitrary share that would not extrapolate.
+        A coefficient the points cannot tell from the others is left at 0 rather than given an
+        arbitrary share that would not extrapolate: per_pair when every point's pairs are a
+        multiple of its tokens (one chunk length from empty caches), per_token when every
+        point has one token (decode on one sequence, where it is fixed's copy).
         """
         columns = [
             [1.0, rows * length, pairs(rows, length, start)] for rows, length, start, _ in points
@@ -91,7 +92,7 @@ class Fit:
         keep = [0, 1, 2]
         while True:  # drop what the points cannot tell apart, or a negative, and refit
             if len(keep) > 1 and _rank(a[:, keep]) < len(keep):
-                keep.remove(2 if 2 in keep else keep[-1])
+                keep.remove(_redundant(a, keep))
                 continue
             solution = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
             if (solution >= 0).all() or len(keep) == 1:
@@ -101,6 +102,17 @@ class Fit:
         for index, value in zip(keep, solution, strict=True):
             values[index] = max(float(value), 0.0)
         return cls(*values)
+
+
+def _redundant(a: np.ndarray, keep: list[int]) -> int:
+    """The column of ``keep`` to leave out: one whose removal leaves the others independent,
+    per_pair first, then per_token (one-token decode points make per_token a copy of fixed:
+    there, per_token goes and per_pair stays)."""
+    for column in sorted(keep, reverse=True):
+        rest = [c for c in keep if c != column]
+        if _rank(a[:, rest]) == len(rest):
+            return column
+    return keep[-1]
 
 
 def _rank(a: np.ndarray) -> int:

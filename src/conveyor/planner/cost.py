@@ -198,95 +198,19 @@ class ProfileCost:
         # memory is the largest micro-batch's (a batch of 30 in 4 runs 8, 8, 7, 7), times are
         # the average's: they add up over the micro-batches
         peak = profile.at(math.ceil(microbatch_size)) if microbatch_size % 1 else stats
-        loss_forward, loss_backward = profile.loss_at(microbatch_size)
-        stage_of = _stage_of(profile, stage_units)
-        consumers = _consumers(profile)
-        output_unit = _output_unit(profile)
-        self._forward, self._backward, self._input, self._weight = [], [], [], []
-        self._kept, self._recomputed, self._resident = [], [], []
-        self._after_input, self._after_input_recomputed = [], []
-        for s, members in enumerate(stage_units):
-            is_sink = output_unit in members
-            self._forward.append(
-                sum(stats[u].forward for u in members) + (loss_forward if is_sink else 0.0)
-            )
-            tail = loss_backward if is_sink else 0.0
-            self._backward.append(sum(stats[u].backward for u in members) + tail)
-            # a stage none of whose inputs needs a gradient (the first) has no input path: its
-            # I has nothing to do, and its W is the whole backward (see conveyor.runtime.backward)
-            takes_gradients = any(
-                p >= 0 and stage_of[p] != s for u in members for p in profile.units[u].inputs
-            )
-            if takes_gradients:
-                self._input.append(sum(stats[u].backward_input for u in members) + tail)
-                self._weight.append(sum(stats[u].backward_weight for u in members))
-            else:
-                self._input.append(0.0)
-                self._weight.append(self._backward[-1])
-            remote = {
-                p
-                for u in members
-                for p in profile.units[u].inputs
-                if p >= 0 and stage_of[p] != s and graph.rank_of(stage_of[p]) != graph.rank_of(s)
-            }
-            received = sum(peak[p].message_bytes for p in remote)
-            outputs = sum(
-                peak[u].output_bytes
-                for u in members
-                if u == output_unit or any(stage_of[c] != s for c in consumers[u])
-            )
-            inner = sum(peak[u].saved_bytes for u in members) + sum(
-                peak[u].output_bytes
-                for u in members
-                if u != output_unit
-                and not any(stage_of[c] != s for c in consumers[u])
-                and _is_kept(profile, peak, u, consumers[u])
-            )
-            self._kept.append(received + outputs + inner)
-            self._recomputed.append(received + outputs)
-            # after I: what autograd saved (the stage's own saves, and the inputs and outputs
-            # it saved) and the gradients W starts from
-            # without an input path, W starts from the gradients of the stage's outputs
-            weight_grads = (
-                sum(peak[u].weight_grad_bytes for u in members)
-                if takes_gradients
-                else sum(
-                    peak[u].message_bytes
-                    for u in members
-                    if any(stage_of[c] != s for c in consumers[u])
-                )
-            )
-            saved = sum(peak[u].saved_bytes for u in members) + sum(
-                peak[u].output_bytes
-                for u in members
-                if _is_kept(profile, peak, u, [c for c in consumers[u] if stage_of[c] == s])
-            )
-            saved += sum(
-                peak[p].message_bytes
-                for p in remote
-                if _is_kept(
-                    profile, peak, p, [c for c in consumers[p] if stage_of[c] == s], own=False
-                )
-            )
-            self._after_input.append(saved + weight_grads)
-            # recomputed: recomputation saves the stage's inputs (through autograd) for I
-            self._after_input_recomputed.append(received + weight_grads)
-            # the runtime's micro-batches are views of the batch: a stage holds the whole batch
-            # of each model input it takes while any of its micro-batches is alive
-            taken = {-1 - p for u in members for p in profile.units[u].inputs if p < 0}
-            per_sample = (
-                sum(profile.model_input_bytes[i] for i in taken)
-                if len(profile.model_input_bytes) > max(taken, default=-1)
-                else profile.input_bytes_per_sample
-                if taken
-                else 0
-            )
-            self._resident.append(round(per_sample * microbatch_size * num_microbatches))
-        self._edge_bytes: dict[tuple[int, int], int] = {}
-        for u in range(profile.num_units):
-            for d in {stage_of[c] for c in consumers[u] if stage_of[c] != stage_of[u]}:
-                key = (stage_of[u], d)
-                self._edge_bytes[key] = self._edge_bytes.get(key, 0) + stats[u].message_bytes
+        split = _Split(profile, graph, stage_units)
+        loss = profile.loss_at(microbatch_size)
+        stages = range(graph.num_stages)
+        times = [split.times(s, stats, loss) for s in stages]
+        self._forward, self._backward, self._input, self._weight = (
+            [row[i] for row in times] for i in range(4)
+        )
+        memory = [split.activation_bytes(s, peak) for s in stages]
+        self._kept, self._recomputed, self._after_input, self._after_input_recomputed = (
+            [row[i] for row in memory] for i in range(4)
+        )
+        self._resident = [split.batch_bytes(s, microbatch_size, num_microbatches) for s in stages]
+        self._edge_bytes = split.edge_bytes(stats)
         replicas = self.replicas = replicas or Replicas(1, None)
         self._static = [0] * graph.num_ranks
         self._reduce, self._gather = [], []
@@ -390,6 +314,122 @@ class ProfileCost:
     def static_bytes(self, rank: int) -> int:
         """Parameters, gradients and optimizer state ``rank`` holds."""
         return self._static[rank]
+
+
+class _Split:
+    """A profile's units placed on stages: each stage's times and bytes, from the units'."""
+
+    def __init__(
+        self, profile: Profile, graph: StageGraph, stage_units: Sequence[Sequence[int]]
+    ) -> None:
+        self.profile, self.graph, self.stage_units = profile, graph, stage_units
+        self.stage_of = _stage_of(profile, stage_units)
+        self.consumers = _consumers(profile)
+        self.output_unit = _output_unit(profile)
+
+    def leaves(self, u: int, s: int) -> bool:
+        """Whether unit ``u``'s output is consumed outside stage ``s``."""
+        return any(self.stage_of[c] != s for c in self.consumers[u])
+
+    def takes_gradients(self, s: int) -> bool:
+        """Whether any input of stage ``s`` comes from another stage (the first stage's do
+        not: its I has nothing to do, and its W is its whole backward, as in
+        conveyor.runtime.backward)."""
+        units = self.profile.units
+        return any(
+            p >= 0 and self.stage_of[p] != s for u in self.stage_units[s] for p in units[u].inputs
+        )
+
+    def remote_inputs(self, s: int) -> set[int]:
+        """Units whose outputs stage ``s`` receives from another rank."""
+        rank_of, stage_of = self.graph.rank_of, self.stage_of
+        return {
+            p
+            for u in self.stage_units[s]
+            for p in self.profile.units[u].inputs
+            if p >= 0 and stage_of[p] != s and rank_of(stage_of[p]) != rank_of(s)
+        }
+
+    def times(
+        self, s: int, stats: Sequence[UnitStats], loss: tuple[float, float]
+    ) -> tuple[float, float, float, float]:
+        """Stage ``s``'s forward, backward, input-gradient and weight-gradient seconds (the
+        loss's with the model's output)."""
+        members = self.stage_units[s]
+        is_sink = self.output_unit in members
+        forward = sum(stats[u].forward for u in members) + (loss[0] if is_sink else 0.0)
+        tail = loss[1] if is_sink else 0.0
+        backward = sum(stats[u].backward for u in members) + tail
+        if not self.takes_gradients(s):
+            return forward, backward, 0.0, backward
+        backward_input = sum(stats[u].backward_input for u in members) + tail
+        return forward, backward, backward_input, sum(stats[u].backward_weight for u in members)
+
+    def activation_bytes(self, s: int, peak: Sequence[UnitStats]) -> tuple[int, int, int, int]:
+        """Bytes stage ``s`` holds per micro-batch between forward and backward, kept and
+        recomputed, and between its input and weight gradients, kept and recomputed."""
+        members, profile = self.stage_units[s], self.profile
+        remote = self.remote_inputs(s)
+        received = sum(peak[p].message_bytes for p in remote)
+        outputs = sum(
+            peak[u].output_bytes for u in members if u == self.output_unit or self.leaves(u, s)
+        )
+        inner = sum(peak[u].saved_bytes for u in members) + sum(
+            peak[u].output_bytes
+            for u in members
+            if u != self.output_unit
+            and not self.leaves(u, s)
+            and _is_kept(profile, peak, u, self.consumers[u])
+        )
+        # after I: what autograd saved (the stage's own saves, and the inputs and outputs it
+        # saved) and the gradients W starts from; without an input path, W starts from the
+        # gradients of the stage's outputs
+        weight_grads = (
+            sum(peak[u].weight_grad_bytes for u in members)
+            if self.takes_gradients(s)
+            else sum(peak[u].message_bytes for u in members if self.leaves(u, s))
+        )
+        saved = sum(peak[u].saved_bytes for u in members) + sum(
+            peak[u].output_bytes for u in members if _is_kept(profile, peak, u, self._within(u, s))
+        )
+        saved += sum(
+            peak[p].message_bytes
+            for p in remote
+            if _is_kept(profile, peak, p, self._within(p, s), own=False)
+        )
+        # recomputed: recomputation saves the stage's inputs (through autograd) for I
+        return (
+            received + outputs + inner,
+            received + outputs,
+            saved + weight_grads,
+            (received + weight_grads),
+        )
+
+    def _within(self, u: int, s: int) -> list[int]:
+        return [c for c in self.consumers[u] if self.stage_of[c] == s]
+
+    def batch_bytes(self, s: int, microbatch_size: float, num_microbatches: int) -> int:
+        """Bytes of the model inputs stage ``s`` takes, for the whole batch: the runtime's
+        micro-batches are views of the batch, so a stage holds the whole batch of each model
+        input it takes while any of its micro-batches is alive."""
+        profile = self.profile
+        taken = {-1 - p for u in self.stage_units[s] for p in profile.units[u].inputs if p < 0}
+        if not taken:
+            return 0
+        if len(profile.model_input_bytes) > max(taken):
+            per_sample = sum(profile.model_input_bytes[i] for i in taken)
+        else:
+            per_sample = profile.input_bytes_per_sample
+        return round(per_sample * microbatch_size * num_microbatches)
+
+    def edge_bytes(self, stats: Sequence[UnitStats]) -> dict[tuple[int, int], int]:
+        """Bytes per micro-batch sent from each stage to each other stage."""
+        found: dict[tuple[int, int], int] = {}
+        stage_of = self.stage_of
+        for u in range(self.profile.num_units):
+            for d in {stage_of[c] for c in self.consumers[u] if stage_of[c] != stage_of[u]}:
+                found[stage_of[u], d] = found.get((stage_of[u], d), 0) + stats[u].message_bytes
+        return found
 
 
 def _is_kept(

@@ -41,6 +41,30 @@ __all__ = ["microbatch_counts", "microbatch_sizes", "plan", "search_seconds", "u
 logger = logging.getLogger(__name__)
 
 
+def _searched(
+    num_ranks: int,
+    memory_budget: int,
+    batch_size: int,
+    schedules: Sequence[str] | None,
+    microbatches: Sequence[int] | None,
+) -> tuple[list[str], list[int]]:
+    """The schedules and micro-batch counts ``plan`` searches, its sizes checked first."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if batch_size < 1 or memory_budget <= 0:
+        raise ValueError(
+            f"batch_size and memory_budget must be positive, got {batch_size} and {memory_budget}"
+        )
+    names = list(SCHEDULES) if schedules is None else list(schedules)
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedules {unknown}; expected names from {sorted(SCHEDULES)}")
+    counts = microbatch_counts(batch_size, num_ranks, names, microbatches)
+    if any(m < 1 or m > batch_size for m in counts):
+        raise ValueError(f"micro-batch counts {counts} must lie in 1..{batch_size} (the batch)")
+    return names, counts
+
+
 def plan(
     workload: Workload | None,
     num_ranks: int,
@@ -86,19 +110,7 @@ def plan(
             match the workload's model, or no configuration the search could place.
     """
     budget = Budget.of(time_budget_s)
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if batch_size < 1 or memory_budget <= 0:
-        raise ValueError(
-            f"batch_size and memory_budget must be positive, got {batch_size} and {memory_budget}"
-        )
-    names = list(SCHEDULES) if schedules is None else list(schedules)
-    unknown = [n for n in names if n not in SCHEDULES]
-    if unknown:
-        raise ValueError(f"unknown schedules {unknown}; expected names from {sorted(SCHEDULES)}")
-    counts = microbatch_counts(batch_size, num_ranks, names, microbatches)
-    if any(m < 1 or m > batch_size for m in counts):
-        raise ValueError(f"micro-batch counts {counts} must lie in 1..{batch_size} (the batch)")
+    names, counts = _searched(num_ranks, memory_budget, batch_size, schedules, microbatches)
     profile, children = _profile_for(
         workload,
         profile,
@@ -127,15 +139,9 @@ def plan(
     if branches is not None:
         orders.append(branches)
     for index, order in enumerate(orders):
-        search = Candidates(
-            profile if order is None else reordered(profile, order),
-            num_ranks,
-            memory_budget,
-            batch_size,
-            recompute,
-            order,
-            replicas,
-        )
+        ordered = profile if order is None else reordered(profile, order)
+        sizes = (num_ranks, memory_budget, batch_size)
+        search = Candidates(ordered, *sizes, recompute, order, replicas)
         explorer.explore(search, keep, budget.part(len(orders) - index).end)
     plans, notes = explorer.plans, explorer.notes
     if not plans:

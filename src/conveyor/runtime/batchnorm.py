@@ -151,7 +151,7 @@ class DeferredBatchNorm(nn.Module):
         m2 = ((x - mean.view(1, -1, *[1] * (x.dim() - 2))) ** 2).sum(dims)
         if self._mean is None or self._m2 is None:
             self._mean, self._m2 = mean, m2
-        else:  # Chan et al.: merge two groups' means and sums of squared deviations
+        else:  # merge two groups' means and sums of squared deviations
             total = self._count + count
             delta = mean - self._mean
             self._mean = self._mean + delta * (count / total)

@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (Qi et al., ICLR 2024): split backward, weight gradients in the bubbles."""
+"""Zero-bubble schedules: split backward, weight gradients in the bubbles."""
 
 from __future__ import annotations
 
