@@ -220,7 +220,11 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
         f"CPU cores, torch {torch.__version__}). Llama-style model: 4 layers, width 256, 4 "
         f"heads, float32, static KV cache; batch 1, {args.new_tokens} new tokens. Median "
         "(min-max); *pred.* is the planner's estimate from the costs profiled "
-        + ("in a later run on the same machine " if args.measured else "in the same run ")
+        + (
+            f"in a later run on the same machine (the runs: `--measured {args.measured.name}`) "
+            if args.measured
+            else "in the same run "
+        )
         + f"(link {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s), *err.* its "
         "error against the median.",
         "",
