@@ -173,7 +173,7 @@ def render(
         f"{RANKS} gloo ranks of 1 thread each, one stage per rank for 1f1b, two (V) for zb-v. "
         "Cost-balanced: `conveyor.split.balance.balance_by_cost` on one micro-batch, in one "
         f"process before the rounds ({profile_s:.1f} s for every schedule), passed as "
-        "`balance=`; even: what conveyor picks with no balance (`even_balance`); by hand: "
+        "`balance=`; even: `balance='even'` (what conveyor picks without example inputs); by hand: "
         f"{HAND} (other schedules: the cost-balanced split). Each row in fresh processes, "
         f"alternating, {len(rounds[ROWS[0]])} rounds of {args.steps} steps after "
         f"{args.warmup} warm-up; step = slowest rank's zero_grad + step + optimizer.step "

@@ -108,6 +108,7 @@ class GroupChooser:
         box: list[Any] = [None]
         if self.rank == 0:
             box[0] = self._simulate(measured, batch_size, prompt_length, config)
+        self._barrier()
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         choice: GroupChoice = box[0]
         self.choices[key] = choice
@@ -161,6 +162,7 @@ class GroupChooser:
         self._barrier()
         message_s = self._round_trip(batch_size) / 2
         mine = (dict(zip(local, zip(fits, alone, strict=True), strict=True)), message_s)
+        self._barrier()
         gathered: list[Any] = [None] * num_ranks
         dist.all_gather_object(gathered, mine, group=self.group)
         by_stage = {s: found for stages_of, _ in gathered for s, found in stages_of.items()}
@@ -173,7 +175,16 @@ class GroupChooser:
         )
 
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        """Every rank here, or within the pipeline's timeout the PeerLostError naming the
+        rank missing (a stopped peer must not hold the others longer than a step would):
+        before every collective of choosing."""
+        work = dist.barrier(group=self.group, async_op=True)
+        assert work is not None
+        try:
+            work.wait(self.p2p.timeout)
+        except RuntimeError as error:
+            peers, doing = self.p2p.peers, "choosing the number of groups"
+            raise peers.lost_in(peers.job.ranks, doing, error, self.p2p.timeout) from error
 
     def _round_trip(self, rows: int, trips: int = 8) -> float:
         """Median seconds of a decode message from rank 0 to rank 1 and back, on rank 0 (0.0
