@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_graph_pipeline import small_two_tower
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -40,7 +41,6 @@ from conveyor.models import (
     gpt,
     gpt_loss,
     multimodal_batches,
-    two_tower,
 )
 from dist import run_ranks
 
@@ -649,18 +649,7 @@ def test_tied_weights_reshard_across_ranks(tmp_path: Path) -> None:
 
 
 def _towers(directory: Path, schedule: str) -> tuple[conveyor.Pipeline, Any, Checkpointer]:
-    torch.manual_seed(0)
-    model = two_tower(
-        vocab_size=16,
-        seq_len=6,
-        num_patches=4,
-        patch_dim=6,
-        dim=8,
-        text_layers=2,
-        image_layers=1,
-        num_heads=2,
-        dropout=0.1,
-    )
+    model = small_two_tower(dropout=0.1)
     pipe = conveyor.Pipeline(
         model,
         stage_modules=("text", "image", "head"),

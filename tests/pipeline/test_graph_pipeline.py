@@ -244,21 +244,26 @@ def _unet_worker(rank: int, world_size: int) -> None:
             )
 
 
-def _branches_worker(rank: int, world_size: int) -> None:
+def small_two_tower(**options: Any) -> nn.Module:
+    """The two-tower model the graph tests split (seed 0), small enough for a test."""
     torch.manual_seed(0)
-    towers_model = two_tower(
-        vocab_size=16,
-        seq_len=6,
-        num_patches=4,
-        patch_dim=6,
-        dim=8,
-        text_layers=2,
-        image_layers=1,
-        num_heads=2,
-    ).double()
+    return two_tower(
+        vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dim=8, text_layers=2,
+        image_layers=1, num_heads=2, **options,
+    )  # fmt: skip
+
+
+def _small_towers() -> tuple[nn.Module, tuple[Any, torch.Tensor]]:
+    """``small_two_tower`` in float64 and one batch of 6 for it."""
+    model = small_two_tower().double()
     ((inputs, labels),) = multimodal_batches(
         6, 1, vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dtype=torch.float64
     )
+    return model, (inputs, labels)
+
+
+def _branches_worker(rank: int, world_size: int) -> None:
+    towers_model, (inputs, labels) = _small_towers()
     for schedule in ("gpipe", "graph-gpipe", "graph-1f1b"):  # tower B and the head share rank 1
         for mode in ("never", "except_last"):
             _check(
@@ -426,20 +431,7 @@ def _summing_worker(rank: int, world_size: int) -> None:
 
 
 def _three_rank_worker(rank: int, world_size: int) -> None:
-    torch.manual_seed(0)
-    model = two_tower(
-        vocab_size=16,
-        seq_len=6,
-        num_patches=4,
-        patch_dim=6,
-        dim=8,
-        text_layers=2,
-        image_layers=1,
-        num_heads=2,
-    ).double()
-    ((inputs, labels),) = multimodal_batches(
-        6, 1, vocab_size=16, seq_len=6, num_patches=4, patch_dim=6, dtype=torch.float64
-    )
+    model, (inputs, labels) = _small_towers()
     for schedule in GRAPH_SCHEDULES:  # text | image | head: the towers run side by side
         for mode in ("never", "always", "except_last"):
             _check(
