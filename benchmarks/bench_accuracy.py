@@ -4,12 +4,15 @@ graph model).
 
     python benchmarks/bench_accuracy.py             # writes the 'accuracy' section of docs
     python benchmarks/bench_accuracy.py --rounds 2  # quicker, noisier
+    python benchmarks/bench_accuracy.py --no-write --save a.json   # a rerun, to compare with
 
 Protocol: both ranks profile the model at the same time (so each core is as busy as in the
 run), the profiles are averaged, and the runtime's overheads and the link are measured; then
 every configuration runs, interleaved round by round, each step started after a barrier and
 timed from the first rank's start to the last rank's end on the shared monotonic clock. The
-measured step time is the median, with activation accounting off (the default); the peak
+measured step time is the median of all rounds, with each round's median spread beside it, and
+the error is reported for the first and the second half of the rounds apart, so that a table
+shows whether its own figures reproduce; with activation accounting off (the default); the peak
 activation memory is the runtime meter's (``Pipeline.memory()``), in untimed steps of a
 metered pipeline of the same configuration. Predictions come from
 ``conveyor.planner.cost.predict`` with the averaged profile, fitted to the traced 1F1B steps of
@@ -36,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import DOC, write_section
+from report import DOC, publishable, write_section
 
 from conveyor import Pipeline
 from conveyor.graph import place
@@ -231,6 +234,10 @@ def _measure_model(
                 "stages": len(units),
                 "microbatches": m,
                 "measured_s": statistics.median(measured),
+                "rounds_s": [
+                    statistics.median(measured[i : i + steps])
+                    for i in range(0, len(measured), steps)
+                ],
                 "predicted_s": prediction.step_time,
                 "unfitted_s": raw.step_time,
                 "fitted_on": fitted_on,
@@ -399,14 +406,22 @@ def _markdown(
     load: tuple[float, float],
 ) -> str:
     rows = [
-        "| model | schedule | stages | micro-batches | measured ms | predicted ms | error "
-        "| profile alone ms | error | measured peak act. KiB (rank 0 / 1) | predicted KiB | "
-        "error (max) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | schedule | stages | micro-batches | measured ms | rounds' spread | "
+        "predicted ms | error | error, halves | profile alone ms | error | measured peak act. "
+        "KiB (rank 0 / 1) | predicted KiB | error (max) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     time_errors, memory_errors, raw_errors = [], [], []
+    halves: tuple[list[float], list[float]] = ([], [])
     for r in results:
         error = _error(r["predicted_s"], r["measured_s"])
+        rounds = r["rounds_s"]
+        half = len(rounds) // 2
+        parts = (rounds[:half] or rounds, rounds[half:])
+        split = [_error(r["predicted_s"], statistics.median(part)) for part in parts]
+        for found, e in zip(halves, split, strict=True):
+            found.append(abs(e))
+        spread = (max(rounds) - min(rounds)) / r["measured_s"]
         raw = _error(r["unfitted_s"], r["measured_s"])
         raw_errors.append(abs(raw))
         memory = [
@@ -418,8 +433,10 @@ def _markdown(
         fitted_here = " (fitted on)" if r["is_fit"] else ""
         rows.append(
             f"| {r['model']} | {r['schedule']}{fitted_here} | {r['stages']} | "
-            f"{r['microbatches']} | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} "
-            f"| {error:+.1%} | {r['unfitted_s'] * 1e3:.2f} | {raw:+.1%} | "
+            f"{r['microbatches']} | {r['measured_s'] * 1e3:.2f} | {min(rounds) * 1e3:.1f}-"
+            f"{max(rounds) * 1e3:.1f} ({spread:.0%}) | {r['predicted_s'] * 1e3:.2f} "
+            f"| {error:+.1%} | {split[0]:+.1%} / {split[1]:+.1%} | {r['unfitted_s'] * 1e3:.2f} | "
+            f"{raw:+.1%} | "
             f"{' / '.join(f'{b / 1024:.0f}' for b in r['measured_peak'])} | "
             f"{' / '.join(f'{b / 1024:.0f}' for b in r['predicted_peak'])} | {worst:+.1%} |"
         )
@@ -429,24 +446,28 @@ def _markdown(
             "## Simulator accuracy (predicted vs measured)",
             "",
             f"Command: `{command}` ({seconds / 60:.1f} min). Machine: 2 CPU cores, 2 ranks on "
-            "gloo, "
-            f"one torch thread each; load average {load[0]:.2f} before and {load[1]:.2f} after "
-            "(other work may have been running). Each model is profiled on both ranks at once and "
-            "the two profiles averaged; runtime overheads and the link are measured on the same "
-            "two ranks. The profile is then fitted (`conveyor.planner.calibrate.fit`) to the "
-            "traced steps of 1F1B at each micro-batch count (marked; `conveyor plan` fits to "
-            "1F1B too), taken from the same interleaved rounds as every measurement, and "
-            "predicts every other configuration; the unfitted profile's predictions are shown "
-            "too. Each configuration runs interleaved with the others, every step after a "
-            "barrier, timed from the first rank's start to the last rank's end (median of all "
-            "rounds), with activation accounting off, as pipelines run by default; peak "
-            "activation memory is the runtime meter's, in untimed steps of a metered pipeline of "
-            "each configuration.",
+            "gloo, one torch thread each; load average "
+            f"{load[0]:.2f} before and {load[1]:.2f} after (the benchmark's own two ranks "
+            "included). Each model is profiled on both ranks at once and the two profiles "
+            "averaged; runtime overheads and the link are measured on the same two ranks. The "
+            "profile is then fitted (`conveyor.planner.calibrate.fit`) to the traced steps of "
+            "1F1B at each micro-batch count (marked; `conveyor plan` fits to 1F1B too), taken "
+            "from the same interleaved rounds as every measurement, and predicts every other "
+            "configuration; the unfitted profile's predictions are shown too. Each configuration "
+            "runs interleaved with the others, every step after a barrier, timed from the first "
+            "rank's start to the last rank's end (median of all rounds; beside it the lowest and "
+            "highest round median and their distance in percent of the median; *error, halves*: "
+            "the error against the first and against the second half of the rounds alone), with "
+            "activation accounting off, as pipelines run by default; peak activation memory is "
+            "the runtime meter's, in untimed steps of a metered pipeline of each configuration.",
             "",
             f"**Step time: mean absolute percentage error {statistics.mean(time_errors):.1%}, "
             f"{within} of {len(time_errors)} configurations within 10% (worst "
             f"{max(time_errors):.1%}); with the profile alone, unfitted, MAPE "
-            f"{statistics.mean(raw_errors):.1%}. Peak activation memory: MAPE "
+            f"{statistics.mean(raw_errors):.1%}. The first and the second half of the rounds "
+            f"alone: MAPE {statistics.mean(halves[0]):.1%} and {statistics.mean(halves[1]):.1%}, "
+            f"{sum(e <= 0.10 for e in halves[0])} and {sum(e <= 0.10 for e in halves[1])} "
+            f"within 10%. Peak activation memory: MAPE "
             f"{statistics.mean(memory_errors):.2%} over every rank (worst "
             f"{max(memory_errors):.2%}).**",
             "",
@@ -465,15 +486,17 @@ def _markdown(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=8, help="interleaved rounds (default 8)")
     parser.add_argument("--steps", type=int, default=4, help="steps per round (default 4)")
     parser.add_argument("--no-write", action="store_true", help="print, don't update docs")
+    parser.add_argument("--force", action="store_true", help="publish even on a busy machine")
+    parser.add_argument("--save", type=Path, help="also write the raw results here (JSON)")
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()[0]
     data, picture = spawn_two_ranks(_worker, args.rounds, args.steps)
     command = (
         "python benchmarks/bench_accuracy.py"
-        + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        + (f" --rounds {args.rounds}" if args.rounds != 8 else "")
         + (f" --steps {args.steps}" if args.steps != 4 else "")
     )
     markdown = _markdown(
@@ -484,7 +507,10 @@ def main() -> None:
         (load, os.getloadavg()[0]),
     )
     print(markdown)
-    if not args.no_write:
+    if args.save is not None:
+        args.save.write_text(json.dumps(data))
+    loads = [load, os.getloadavg()[0]]
+    if not args.no_write and publishable(loads, args.force):
         write_section("accuracy", markdown)
         if picture is not None:  # temporary name, then rename: never half-written
             PICTURE.with_suffix(".tmp").write_bytes(picture)

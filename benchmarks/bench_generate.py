@@ -47,7 +47,7 @@ from conveyor.inference.prompts import groups_of
 from conveyor.inference.schedule import decode_items
 from conveyor.models import gpt
 from conveyor.pipeline.decode import DecodePipeline, GenerationStats, as_causal_lm
-from conveyor.planner.calibrate import measure_link, measure_overheads
+from conveyor.planner.calibrate import measure_allreduce, measure_link, measure_overheads
 from conveyor.planner.parallelism import STRATEGIES, Estimate, LayerCosts, compare
 from conveyor.simulator import Link, Overheads, simulate
 
@@ -91,9 +91,12 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(0, 900)
     )
     link, overheads = measure_link(), measure_overheads()
+    collective = measure_allreduce(sizes=(1 << 10, 1 << 22, 1 << 16, 1 << 20))
     plain = model(args)
     decoder = DecodePipeline(model(args), timeout_s=900)
-    results: dict[str, Any] = {"link": link, "overheads": overheads, "runs": {}}
+    results: dict[str, Any] = {
+        "link": link, "collective": collective, "overheads": overheads, "runs": {},
+    }  # fmt: skip
     for batch, prompt in CASES:
         ids = prompts(batch, prompt)
         runs: dict[str, Callable[[], GenerationStats | None]] = {}
@@ -262,10 +265,13 @@ def main() -> None:
     write_section("generate", text)
     if not args.skip_paper:
         costs = paper_costs()
-        measured = compare(costs, PAPER_LAYERS, results["link"], PAPER_DEVICES, PAPER_PROMPTS)
+        link, collective = results["link"], results["collective"]
+        measured = compare(
+            costs, PAPER_LAYERS, link, PAPER_DEVICES, PAPER_PROMPTS, collective=collective
+        )
         fast = compare(costs, PAPER_LAYERS, FAST, PAPER_DEVICES, PAPER_PROMPTS)
         draw(measured, fast)
-        write_section("parallelism", render_paper(costs, results["link"], measured, fast))
+        write_section("parallelism", render_paper(costs, (link, collective), measured, fast))
 
 
 # -- reporting ------------------------------------------------------------------------------
@@ -402,9 +408,9 @@ def draw(measured: list[Estimate], fast: list[Estimate]) -> None:
 
 
 def render_paper(
-    costs: LayerCosts, link: Link, measured: list[Estimate], fast: list[Estimate]
+    costs: LayerCosts, links: tuple[Link, Link], measured: list[Estimate], fast: list[Estimate]
 ) -> str:
-    block = costs.block
+    block, (link, collective) = costs.block, links
     lines = [
         "## Parallelisms for long-sequence inference, on paper",
         "",
@@ -415,10 +421,13 @@ def render_paper(
         f"thread and fitted (block, per sequence: decode {block.decode.fixed * 1e3:.2f} ms + "
         f"{block.decode.per_pair * 1e9:.2f} ns per cached position; prefill "
         f"{block.prefill.per_token * 1e6:.1f} us per token + {block.prefill.per_pair * 1e9:.3f} "
-        "ns per query-key pair); link measured between two local gloo ranks "
-        f"({link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s), and an assumed fast "
-        "link (5 us + 100 GB/s) for contrast. Assumptions: costs measured at up to 2048 "
-        "positions and extrapolated linearly in tokens and query-key pairs; collectives are rings "
+        "ns per query-key pair); links measured between two local gloo ranks (point to point "
+        f"{link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s; all-reduce "
+        f"{collective.latency * 1e6:.0f} us a step + {collective.bandwidth / 1e9:.2f} GB/s, "
+        "for tensor parallelism's all-reduces and context parallelism's decode all-gathers), "
+        "and an assumed fast link (5 us + 100 GB/s, both) for contrast. Assumptions: costs "
+        "measured at up to 2048 positions and extrapolated linearly in tokens and query-key "
+        "pairs; collectives are rings "
         "(2(P - 1) steps of latency + 1/P of the bytes); ring-attention transfers overlap the "
         "attention; no position-table or memory limits; 16 decode tokens; prefill of the "
         "pipeline in 4P chunks. A dash: the strategy cannot use that many devices "

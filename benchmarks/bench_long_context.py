@@ -9,12 +9,14 @@ A Llama-style model (Hugging Face LlamaForCausalLM from a small config: 4 layers
 4 heads, float32, a static KV cache in every mode) generates 32 tokens after one prompt of
 4k, 16k and 64k tokens. Every mode runs in the same two gloo processes (1 thread each),
 alternating mode by mode inside each round: the unsplit model on rank 0 (1 and 2 threads)
-while rank 1 waits, the pipeline (2 stages), cp = 2 (DecodePipeline(cp=2)) and tensor
-parallelism (torch's parallelize_module over the attention and MLP projections, both ranks
-running the generation). Time to first token and decode tokens/s come from
-``DecodePipeline.stats``; medians over rounds, the spread (min-max) beside them. The
-prediction: each unit (embedding, one block, head) profiled at decode and prefill shapes on
-both ranks at once, the link measured between them, and ``estimate`` run for each mode.
+while rank 1 waits, the pipeline (2 stages, the prompt prefilled in eight chunks as the
+planner plans it), cp = 2 (DecodePipeline(cp=2)) and tensor parallelism (torch's
+parallelize_module over the attention and MLP projections, both ranks running the
+generation). Time to first token and decode tokens/s come from ``DecodePipeline.stats``;
+medians over rounds, the spread (min-max) beside them. The prediction: each unit (embedding,
+one block, head) profiled at decode and prefill shapes on both ranks at once with the static
+cache the modes use, the link between them and the latency of a collective measured, and
+``estimate`` run for each mode.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section
 
+from conveyor.inference.config import GenerationConfig
 from conveyor.inference.cost import profile_stage
 from conveyor.pipeline.decode import DecodePipeline, as_causal_lm
-from conveyor.planner.calibrate import measure_link
-from conveyor.planner.parallelism import LayerCosts, estimate
+from conveyor.planner.calibrate import measure_allreduce, measure_link
+from conveyor.planner.parallelism import LayerCosts, estimate, pipeline_chunk
 
 MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")
 STRATEGY = {"unsplit, 1 thread": ("pipeline", 1), "pipeline": ("pipeline", 2),
@@ -89,14 +92,17 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     cp = DecodePipeline(build(context), cp=2, timeout_s=3600)
     tp = DecodePipeline(tensor_parallel(build(context)), local=True)
     link = measure_link()
+    collective = measure_allreduce(sizes=(1 << 10, 1 << 22, 1 << 16, 1 << 20))
     runs = {
         "unsplit, 1 thread": lambda ids: _alone(rank, plain, ids, args.new_tokens, 1),
         "unsplit, 2 threads": lambda ids: _alone(rank, plain, ids, args.new_tokens, 2),
-        "pipeline": lambda ids: _run(pipeline, ids, args.new_tokens, cache="static"),
+        "pipeline": lambda ids: _run(pipeline, ids, args.new_tokens, cache="static", chunks=2),
         "cp = 2": lambda ids: _run(cp, ids, args.new_tokens),
         "tp = 2": lambda ids: _run(tp, ids, args.new_tokens, cache="static"),
     }
-    results: dict[Any, Any] = {"link": link, "loads": [os.getloadavg()[0]]}
+    results: dict[Any, Any] = {
+        "link": link, "collective": collective, "loads": [os.getloadavg()[0]],
+    }  # fmt: skip
     for prompt in [] if args.measured else args.prompts:
         ids = torch.randint(1, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
         measured: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
@@ -135,9 +141,16 @@ def _alone(
 
 
 def _run(
-    decoder: DecodePipeline, ids: torch.Tensor, new_tokens: int, **options: Any
+    decoder: DecodePipeline,
+    ids: torch.Tensor,
+    new_tokens: int,
+    chunks: int | None = None,
+    **options: Any,
 ) -> tuple[float, float] | None:
-    """(time to first token, decode tokens/s) where the rank knows them (the last stage)."""
+    """(time to first token, decode tokens/s) where the rank knows them (the last stage);
+    ``chunks``: prefill in the chunks the planner gives a pipeline of that many stages."""
+    if chunks is not None:
+        options["prefill_chunk"] = pipeline_chunk(ids.shape[1], chunks)
     decoder.generate(ids, max_new_tokens=new_tokens, **options)
     stats = decoder.stats
     if stats is None or stats.time_to_first_token is None or stats.decode_tokens_per_s is None:
@@ -147,16 +160,20 @@ def _run(
 
 def _profile(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Each unit's fits, on both ranks at once (as the modes run): embedding, one block,
-    the head; decode measured after prompts up to a quarter of the longest, prefill chunks
-    up to 8k, both extrapolated linearly in tokens and query-key pairs."""
+    the head, with the static cache the modes run with; decode measured after prompts up to a
+    quarter of the longest, prefill chunks up to 8k, both extrapolated linearly in tokens and
+    query-key pairs."""
     lm = as_causal_lm(model)
     longest = max(args.prompts)
     starts = sorted({min(longest // 4, s) for s in (512, 2048, 8192, 16384)})
     chunks = sorted({min(longest // 4, c) for c in (512, 2048, 8192)})
     last = lm.num_units - 1
     units = {"embed": range(0, 1), "block": range(1, 2), "head": range(last, last + 1)}
+    config = GenerationConfig(cache="static")
     return {
-        name: profile_stage(lm, where, rows=[1], starts=starts, chunks=chunks, steps=4, repeats=2)
+        name: profile_stage(
+            lm, where, rows=[1], starts=starts, chunks=chunks, config=config, steps=4, repeats=2
+        )
         for name, where in units.items()
     }
 
@@ -206,7 +223,7 @@ def main() -> None:
 
 
 def render(args: argparse.Namespace, results: dict[Any, Any], before: float, after: float) -> str:
-    fits, link = results["fits"], results["link"]
+    fits, link, collective = results["fits"], results["link"], results["collective"]
     costs = LayerCosts(
         fits["embed"], fits["block"], fits["head"], hidden_size=256, num_heads=4,
         dtype_bytes=4, block_params=0, head_params=0,
@@ -225,7 +242,9 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if args.measured
             else "in the same run "
         )
-        + f"(link {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s), *err.* its "
+        + f"(link {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s; collectives "
+        f"{collective.latency * 1e6:.0f} us a step + {collective.bandwidth / 1e9:.2f} GB/s), "
+        "*err.* its "
         "error against the median.",
         "",
         "| prompt | mode | time to first token (s) | pred. | err. | decode tokens/s | pred. | "
@@ -239,7 +258,7 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if not rows[mode]:
                 continue
             ttft, decode = [t for t, _ in rows[mode]], [d for _, d in rows[mode]]
-            predicted = _predicted(mode, costs, link, prompt, args.new_tokens)
+            predicted = _predicted(mode, costs, (link, collective), prompt, args.new_tokens)
             lines.append(
                 f"| {prompt} | {mode} | {_spread(ttft)} | {_pred(predicted, 0)} | "
                 f"{_error(predicted, 0, ttft)} | {_spread(decode)} | {_pred(predicted, 1)} | "
@@ -250,12 +269,15 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
 
 
 def _predicted(
-    mode: str, costs: LayerCosts, link: Any, prompt: int, new_tokens: int
+    mode: str, costs: LayerCosts, links: tuple[Any, Any], prompt: int, new_tokens: int
 ) -> tuple[float, float] | None:
     if mode not in STRATEGY:
         return None
     strategy, devices = STRATEGY[mode]
-    found = estimate(strategy, costs, 4, link, devices, prompt, new_tokens)  # type: ignore[arg-type]
+    found = estimate(
+        strategy, costs, 4, links[0], devices, prompt, new_tokens,  # type: ignore[arg-type]
+        collective=links[1],
+    )  # fmt: skip
     return None if found is None else (found.time_to_first_token, found.decode_tokens_per_s)
 
 

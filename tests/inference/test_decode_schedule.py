@@ -10,7 +10,7 @@ import pytest
 from conveyor.graph import chain
 from conveyor.inference import decode_items, decode_program
 from conveyor.inference.cost import DecodeCost, Fit, StageFit, pairs
-from conveyor.planner.parallelism import LayerCosts, compare
+from conveyor.planner.parallelism import LayerCosts, compare, estimate, pipeline_chunk
 from conveyor.program import Action, Kind, Program
 from conveyor.schedule import ProgramError, validate
 from conveyor.simulator import Link, Overheads, simulate
@@ -186,3 +186,26 @@ def test_parallelisms_on_paper_agree_on_one_device_and_split_memory() -> None:
     # chunks do, and both beat tensor parallelism's two all-reduces per layer at 2 devices
     long = [by[(s, 8, 4096)].time_to_first_token for s in ("pipeline", "context")]
     assert max(long) < by[("pipeline", 2, 4096)].time_to_first_token
+
+
+def test_collectives_cost_what_their_own_link_says_and_point_to_point_is_untouched() -> None:
+    block = StageFit(decode=Fit(1e-4, 1e-5, 1e-8), prefill=Fit(1e-4, 1e-5, 1e-8))
+    tiny = StageFit(decode=Fit(1e-5, 0.0, 0.0), prefill=Fit(1e-5, 0.0, 0.0))
+    costs = LayerCosts(tiny, block, tiny, 64, 4, 4, block_params=0, head_params=0)
+    link, slow = Link(latency=1e-6, bandwidth=1e10), Link(latency=1e-3, bandwidth=1e10)
+
+    def both(strategy: str, devices: int) -> tuple[float, float]:
+        found = [
+            estimate(strategy, costs, 8, link, devices, 1024, 9, collective=c)  # type: ignore[arg-type]
+            for c in (None, slow)
+        ]
+        assert found[0] is not None and found[1] is not None
+        return 1 / found[0].decode_tokens_per_s, 1 / found[1].decode_tokens_per_s
+
+    fast_tp, slow_tp = both("tensor", 2)  # 2 all-reduces of 2 steps a layer, 1 after the head
+    assert slow_tp - fast_tp == pytest.approx((8 * 2 + 1) * 2 * (1e-3 - 1e-6), rel=1e-3)
+    fast_cp, slow_cp = both("context", 2)  # one all-gather step a layer
+    assert slow_cp - fast_cp == pytest.approx(8 * (1e-3 - 1e-6), rel=1e-3)
+    fast_pp, slow_pp = both("pipeline", 2)  # messages only: the collective link is not used
+    assert slow_pp == pytest.approx(fast_pp)
+    assert pipeline_chunk(4096, 2) == 512 and pipeline_chunk(10, 3) == 1

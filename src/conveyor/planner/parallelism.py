@@ -1,6 +1,8 @@
 """Pipeline vs tensor vs context parallelism for long-sequence inference, on paper: one long
 request on P devices, from per-layer costs (measured and fitted, conveyor.inference.cost) and
-a link model, each strategy run through the simulator as a decode Program.
+link models (point-to-point for the pipeline's and the ring's messages, collective for TP's
+all-reduces and CP's decode all-gathers), each strategy run through the simulator as a decode
+Program.
 
     costs = LayerCosts(embed=..., block=..., head=..., hidden_size=1024, ...)
     rows = compare(costs, num_layers=32, link=link, devices=[2, 8, 64], prompts=[1024, 2**20])
@@ -40,7 +42,15 @@ from conveyor.inference.schedule import Item, decode_items, decode_program
 from conveyor.program import Action, Kind
 from conveyor.simulator import Link, simulate
 
-__all__ = ["STRATEGIES", "Estimate", "LayerCosts", "Strategy", "compare", "estimate"]
+__all__ = [
+    "STRATEGIES",
+    "Estimate",
+    "LayerCosts",
+    "Strategy",
+    "compare",
+    "estimate",
+    "pipeline_chunk",
+]
 
 Strategy = Literal["pipeline", "tensor", "context", "pipeline x context"]
 STRATEGIES: tuple[Strategy, ...] = ("pipeline", "tensor", "context", "pipeline x context")
@@ -89,9 +99,13 @@ def estimate(
     devices: int,
     prompt: int,
     new_tokens: int = 16,
+    *,
+    collective: Link | None = None,
 ) -> Estimate | None:
     """``strategy``'s estimate, or None where it does not apply (TP beyond one device per
-    head, PP beyond one device per layer)."""
+    head, PP beyond one device per layer). ``link`` carries point-to-point messages (the
+    pipeline's, the ring's); ``collective``, the link TP's all-reduces and CP's decode
+    all-gathers see (``conveyor.planner.calibrate.measure_allreduce``; default ``link``)."""
     staged = strategy == "pipeline x context"
     if (
         (strategy == "tensor" and devices > costs.num_heads)
@@ -99,8 +113,9 @@ def estimate(
         or (staged and (devices < 4 or devices % 2 or devices > 2 * num_layers))
     ):
         return None
-    first = _simulated(strategy, costs, num_layers, link, devices, prompt, 1)
-    total = _simulated(strategy, costs, num_layers, link, devices, prompt, new_tokens)
+    links = (link, collective or link)
+    first = _simulated(strategy, costs, num_layers, links, devices, prompt, 1)
+    total = _simulated(strategy, costs, num_layers, links, devices, prompt, new_tokens)
     kv = 2 * num_layers * (prompt + new_tokens) * costs.hidden_bytes / devices
     weights = num_layers * costs.block_params + costs.head_params
     replicas = {"context": devices, "pipeline x context": 2}.get(strategy, 1)
@@ -122,36 +137,50 @@ def compare(
     devices: Sequence[int],
     prompts: Sequence[int],
     new_tokens: int = 16,
+    *,
+    collective: Link | None = None,
 ) -> list[Estimate]:
-    """Every strategy that applies, for every device count and prompt length."""
+    """Every strategy that applies, for every device count and prompt length (``link`` and
+    ``collective`` as ``estimate`` takes them)."""
     found = []
     for prompt in prompts:
         for count in devices:
             for strategy in STRATEGIES:
-                result = estimate(strategy, costs, num_layers, link, count, prompt, new_tokens)
+                result = estimate(
+                    strategy, costs, num_layers, link, count, prompt, new_tokens,
+                    collective=collective,
+                )  # fmt: skip
                 if result is not None:
                     found.append(result)
     return found
+
+
+def pipeline_chunk(prompt: int, stages: int) -> int:
+    """The prompt chunk a pipeline of ``stages`` stages prefills in: 4 chunks a stage, so that
+    the stages work on the prompt at once instead of in turn."""
+    return math.ceil(prompt / (4 * stages))
 
 
 def _simulated(
     strategy: Strategy,
     costs: LayerCosts,
     num_layers: int,
-    link: Link,
+    links: tuple[Link, Link],
     devices: int,
     prompt: int,
     new_tokens: int,
 ) -> float:
-    """Seconds for ``strategy`` to prefill ``prompt`` tokens and generate ``new_tokens``."""
+    """Seconds for ``strategy`` to prefill ``prompt`` tokens and generate ``new_tokens``, over
+    ``links`` (point-to-point, collective)."""
+    link, collective = links
     if strategy in ("pipeline", "pipeline x context"):
         cp = 2 if strategy == "pipeline x context" else 1
         stages = devices // cp
         graph = chain(stages)
-        chunk = None if cp > 1 else math.ceil(prompt / (4 * devices))  # cp splits the prompt
+        chunk = None if cp > 1 else pipeline_chunk(prompt, stages)  # cp splits the prompt
         items = decode_items(1, prompt, new_tokens, chunk)
         layers = [len(range(s, num_layers, stages)) for s in range(stages)]
-        fits = [_context_fit(costs.block, link, costs, cp) * n for n in layers]
+        fits = [_context_fit(costs.block, collective, costs, cp) * n for n in layers]
         fits[0] = fits[0] + costs.embed
         fits[-1] = fits[-1] + costs.head
         cost = DecodeCost(fits, graph, items, [range(1)], costs.hidden_bytes, link=link)
@@ -160,17 +189,17 @@ def _simulated(
     items = decode_items(1, prompt, new_tokens)
     split = _TensorCost if strategy == "tensor" else _ContextCost
     return simulate(
-        decode_program(graph, items), graph, split(costs, num_layers, link, devices, items)
+        decode_program(graph, items), graph, split(costs, num_layers, links, devices, items)
     ).step_time
 
 
-def _context_fit(block: StageFit, link: Link, costs: LayerCosts, cp: int) -> StageFit:
+def _context_fit(block: StageFit, collective: Link, costs: LayerCosts, cp: int) -> StageFit:
     """A block's fits when a cp group of ``cp`` ranks serves it: a prompt's tokens and pairs
     split over the group (ring transfers overlapped), a new token's pairs split and one
     all-gather of its attention output added."""
     if cp == 1:
         return block
-    gather = (cp - 1) * link.transfer(costs.hidden_bytes)
+    gather = (cp - 1) * collective.transfer(costs.hidden_bytes)
     decode = Fit(block.decode.fixed + gather, block.decode.per_token, block.decode.per_pair / cp)
     prefill = Fit(block.prefill.fixed, block.prefill.per_token / cp, block.prefill.per_pair / cp)
     return StageFit(decode, prefill)
@@ -188,12 +217,18 @@ def _all_reduce(link: Link, num_bytes: float, devices: int) -> float:
 
 
 class _TensorCost:
-    """Each item on P devices with every layer split (see the module docstring)."""
+    """Each item on P devices with every layer split (see the module docstring), over
+    ``links`` (point-to-point, collective)."""
 
     def __init__(
-        self, costs: LayerCosts, num_layers: int, link: Link, devices: int, items: Sequence[Item]
+        self,
+        costs: LayerCosts,
+        num_layers: int,
+        links: tuple[Link, Link],
+        devices: int,
+        items: Sequence[Item],
     ) -> None:
-        self.costs, self.num_layers, self.link = costs, num_layers, link
+        self.costs, self.num_layers, (self.link, self.collective) = costs, num_layers, links
         self.devices, self.items = devices, items
 
     def compute(self, action: Action) -> float:
@@ -201,7 +236,7 @@ class _TensorCost:
         length, start, p = item.length, item.start, self.devices
         fit = _fit(self.costs.block, length)
         layer = _divided(fit, p).time(1, length, start)
-        reduce = _all_reduce(self.link, length * self.costs.hidden_bytes, p)
+        reduce = _all_reduce(self.collective, length * self.costs.hidden_bytes, p)
         head = _divided(_fit(self.costs.head, length), p).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
         return embed + self.num_layers * (layer + 2 * reduce) + head + reduce
@@ -226,7 +261,7 @@ class _ContextCost(_TensorCost):
             head = _fit(self.costs.head, length).time(1, length, start)
         else:  # decode: the token everywhere, its attention over a P-th of the cache each
             local = Fit(fit.fixed, fit.per_token, fit.per_pair / p).time(1, length, start)
-            layer = local + (p - 1) * self.link.transfer(self.costs.hidden_bytes)
+            layer = local + (p - 1) * self.collective.transfer(self.costs.hidden_bytes)
             head = _fit(self.costs.head, length).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
         return embed + self.num_layers * layer + head
