@@ -413,6 +413,7 @@ def _markdown(
     ]
     time_errors, memory_errors, raw_errors = [], [], []
     halves: tuple[list[float], list[float]] = ([], [])
+    apart, spreads = [], []  # per row: its halves' errors apart, its round medians' spread
     for r in results:
         error = _error(r["predicted_s"], r["measured_s"])
         rounds = r["rounds_s"]
@@ -422,6 +423,8 @@ def _markdown(
         for found, e in zip(halves, split, strict=True):
             found.append(abs(e))
         spread = (max(rounds) - min(rounds)) / r["measured_s"]
+        apart.append(abs(split[0] - split[1]))
+        spreads.append(spread)
         raw = _error(r["unfitted_s"], r["measured_s"])
         raw_errors.append(abs(raw))
         memory = [
@@ -470,6 +473,12 @@ def _markdown(
             f"within 10%. Peak activation memory: MAPE "
             f"{statistics.mean(memory_errors):.2%} over every rank (worst "
             f"{max(memory_errors):.2%}).**",
+            "",
+            f"Read with the spread: a row's round medians lie {statistics.median(spreads):.0%} "
+            f"apart (median over rows; up to {max(spreads):.0%}), and its errors against the two "
+            f"halves of the rounds {statistics.median(apart):.1%} apart (median; up to "
+            f"{max(apart):.1%}). A row's error smaller than that is the measurement's, not the "
+            "model's; compare runs by the mean error over all rows.",
             "",
             *rows,
             "",
