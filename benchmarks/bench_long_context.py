@@ -244,8 +244,7 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
         )
         + f"(link {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s; collectives "
         f"{collective.latency * 1e6:.0f} us a step + {collective.bandwidth / 1e9:.2f} GB/s), "
-        "*err.* its "
-        "error against the median.",
+        "*err.* its error against the median.",
         "",
         "| prompt | mode | time to first token (s) | pred. | err. | decode tokens/s | pred. | "
         "err. | decode vs pipeline | decode vs unsplit (2 threads) |",
