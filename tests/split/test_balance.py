@@ -290,10 +290,12 @@ def _agree(rank: int, world_size: int, cache_dir: str) -> None:
         cache_dir=cache_dir, time_budget_s=BUDGET_S,
     )  # fmt: skip
     assert not again.measured and again.balance == choice.balance
-    # the call a Pipeline makes: its balance, chosen alike, splits the model across ranks
-    pipe = conveyor.Pipeline(
-        model, balance=list(choice.balance), num_microbatches=2, loss_fn=loss_fn
-    )
+    # a Pipeline given only its ranks (no group=: the world) agrees as well, skew and all
+    module._MEMORY.clear()
+    pipe = conveyor.Pipeline(model, example_inputs=x, num_microbatches=2, loss_fn=loss_fn)
+    splits: list[Any] = [None] * world_size
+    dist.all_gather_object(splits, pipe.split_points)
+    assert splits[0] == splits[1], splits
     pipe.step(x, y)
 
 

@@ -296,7 +296,8 @@ def _split_points(
     options: dict[str, Any] = {
         "num_microbatches": config.num_microbatches,
         "placement": config.placement,
-        "group": group,
+        # None is the whole job (a pipeline over the world, or every rank of a mesh): all agree
+        "group": dist.group.WORLD if group is None and dist.is_initialized() else group,
     }
     if isinstance(model, nn.Sequential):
         choice = balance_by_cost(model, num_stages, example_inputs, **options)
