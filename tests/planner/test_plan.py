@@ -19,6 +19,7 @@ from torch import nn
 from conveyor import Pipeline
 from conveyor.config import read_plan
 from conveyor.planner import (
+    PlanReport,
     Profile,
     Unit,
     UnitStats,
@@ -201,10 +202,17 @@ def _planned_worker(rank: int, world_size: int, plan_file: str) -> None:
         torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-10, atol=1e-10)
 
 
+@pytest.fixture(scope="module")
+def measured() -> PlanReport:
+    """The small model planned on a profile measured here (seconds of measuring: made once)."""
+    return plan(Workload("planned", _model(), _batch, _loss), 2, 1 << 30, 8, microbatches=[2, 4])
+
+
 @pytest.mark.dist
-def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: Path) -> None:
-    workload = Workload("planned", _model(), _batch, _loss)
-    report = plan(workload, 2, 1 << 30, 8, microbatches=[2, 4])
+def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(
+    tmp_path: Path, measured: PlanReport
+) -> None:
+    report = measured
     path = report.write(tmp_path / "plan.json")
     data = json.loads(path.read_text())
     # the layers are nn.Sequential(Linear, Tanh) pairs, opened up: the plan names split points
@@ -225,13 +233,12 @@ def test_a_plan_file_runs_as_planned_and_trains_like_the_plain_model(tmp_path: P
 
 @pytest.mark.dist  # a process of its own, or seconds of measuring
 def test_plan_command_prints_plans_and_writes_the_best(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], measured: PlanReport
 ) -> None:
     from conveyor.cli import main
 
     saved = tmp_path / "profile.json"
-    report = plan(Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, microbatches=[2, 4])
-    report.profile.save(saved)
+    measured.profile.save(saved)
     out_file = tmp_path / "plan.json"
     argv = [
         "plan",
