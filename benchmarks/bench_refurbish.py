@@ -5,10 +5,11 @@ Data Echoing at the same k, three seeds each, in alternating rounds.
     python benchmarks/bench_refurbish.py --quick --no-write   # a check that it works, < 1 min
 
 Each run trains examples/refurbish.py's small ResNet-style CNN, pipelined over 2 gloo ranks
-(one torch thread each), on the generated shapes (conveyor.data.synthetic_images, 192 x 192
-JPEG, so decoding dominates), for the same number of samples. Rank 0 loads, with
-conveyor.data.Refurbish and the standard augmentation split in two (partial: Pillow decode
-+ kornia random resized crop to 32 x 32, in --workers worker processes; final: flip, colour
+(one torch thread each), on the generated shapes (conveyor.data.synthetic_images, 256 x 256
+JPEG, so decoding dominates), for the same number of samples, with AdamW on a one-cycle
+learning rate (warm-up, then annealing to zero). Rank 0 loads, with conveyor.data.Refurbish
+and the standard augmentation split in two (partial: Pillow decode + kornia random resized
+crop of 70-100% of the area to 32 x 32, in --workers worker processes; final: flip, colour
 jitter, normalize and cutout on each batch), and sends each batch to rank 1
 (broadcast_batches). samples/s is measured after --warmup steps; test accuracy is on a
 held-out set after the last step. "input wait" is the share of rank 0's time spent waiting
@@ -46,7 +47,7 @@ from torch.utils.data import default_collate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from refurbish import small_resnet
+from refurbish import CROP_SCALE, CUTOUT, small_resnet
 from report import DOC, publishable, write_section
 
 import conveyor
@@ -96,11 +97,15 @@ def worker(rank: int, config: Config, seed: int, args: argparse.Namespace, tmp: 
         small_resnet(args.width), num_microbatches=4, loss_fn=nn.functional.cross_entropy
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    steps = args.samples // args.batch_size
+    # warm-up, then annealing to zero: the model tested is where training settled, not a
+    # moment of a constant learning rate's wandering
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps)
     loader = Refurbish(
         train,
         args.batch_size,
-        partial=DecodeCrop(32, scale=(0.4, 1.0)),
-        batch_final=FinalAugment(),
+        partial=DecodeCrop(32, scale=CROP_SCALE),
+        batch_final=FinalAugment(cutout=CUTOUT),
         reuse=config.reuse,
         echo=config.echo,
         num_workers=args.workers,
@@ -108,7 +113,6 @@ def worker(rank: int, config: Config, seed: int, args: argparse.Namespace, tmp: 
         seed=seed,
     )
     batches = broadcast_batches(loader, group=pipe.group)
-    steps = args.samples // args.batch_size
     start, waited = 0.0, 0.0
     for step in range(steps):
         if step == args.warmup:
@@ -118,6 +122,7 @@ def worker(rank: int, config: Config, seed: int, args: argparse.Namespace, tmp: 
         pipe.step(inputs, targets)
         optimizer.step()
         optimizer.zero_grad()
+        schedule.step()
     dist.barrier()
     seconds = time.perf_counter() - start
     stats = loader.stats
@@ -191,19 +196,24 @@ def from_log(path: Path) -> tuple[list[Result], tuple[float, float]]:
 
 
 def summary(results: list[Result]) -> dict[Config, dict[str, Any]]:
-    """Per configuration: median and range of samples/s, mean and range of accuracy."""
+    """Per configuration: median and range of samples/s, mean and range of accuracy, and the
+    range over seeds of its accuracy minus k = 1's with the same seed (one initialisation and
+    one sample order: what the seed decides cancels)."""
     by_config: dict[Config, list[Result]] = {}
     for result in results:
         by_config.setdefault(result.config, []).append(result)
+    base = {r.seed: 100 * r.accuracy for r in by_config.get(Config(1), [])}
     table = {}
     for config, runs in by_config.items():
         rates = [r.samples_per_s for r in runs]
         accuracies = [100 * r.accuracy for r in runs]
+        paired = [100 * r.accuracy - base[r.seed] for r in runs if r.seed in base]
         table[config] = {
             "rate": statistics.median(rates),
             "rate_range": (min(rates), max(rates)),
             "accuracy": statistics.mean(accuracies),
             "accuracy_range": (min(accuracies), max(accuracies)),
+            "paired_range": (min(paired), max(paired)) if paired else (0.0, 0.0),
             "wait": statistics.median(r.input_wait for r in runs),
             "runs": len(runs),
         }
@@ -222,9 +232,11 @@ def markdown(table: dict[Config, dict[str, Any]], args: argparse.Namespace, load
         f"A small ResNet-style CNN pipelined over 2 gloo ranks, {args.samples} training samples "
         f"a run (batch {args.batch_size}), {args.num_train} generated {args.image_size} x "
         f"{args.image_size} JPEG shapes (width {args.width} CNN), "
-        f"{args.num_test} held out; rank 0 decodes and crops in {args.workers} worker "
+        f"{args.num_test} held out; AdamW, one-cycle learning rate peaking at {args.lr}; "
+        f"rank 0 decodes and crops in {args.workers} worker "
         f"process(es). samples/s: median (min-max) over {args.seeds} seeds; test accuracy: "
-        "mean (min-max).",
+        "mean (min-max); vs k=1: the mean's difference (the range of each seed's difference "
+        "from k = 1 with the same seed).",
         "",
         "| feeding | samples/s | vs k=1 | test accuracy % | vs k=1 (points) | input wait |",
         "|---|---|---|---|---|---|",
@@ -232,11 +244,14 @@ def markdown(table: dict[Config, dict[str, Any]], args: argparse.Namespace, load
     for config, row in table.items():
         low, high = row["rate_range"]
         lowest, highest = row["accuracy_range"]
+        paired_low, paired_high = row["paired_range"]
         lines.append(
             f"| {config.name} | {row['rate']:.0f} ({low:.0f}-{high:.0f}) "
             f"| {row['rate'] / base['rate']:.2f}x "
             f"| {row['accuracy']:.1f} ({lowest:.1f}-{highest:.1f}) "
-            f"| {row['accuracy'] - base['accuracy']:+.1f} | {100 * row['wait']:.0f}% |"
+            f"| {row['accuracy'] - base['accuracy']:+.1f} "
+            f"({paired_low:+.1f} to {paired_high:+.1f}) "
+            f"| {100 * row['wait']:.0f}% |"
         )
     return "\n".join([*lines, "", *verdict(table)])
 
@@ -255,6 +270,12 @@ def verdict(table: dict[Config, dict[str, Any]]) -> list[str]:
         f"- Test accuracy at k = 3: {-drop:+.1f} points against k = 1 (target: within 1 point): "
         f"{'met' if drop <= 1.0 else 'not met'}.",
     ]
+    if base["accuracy"] >= 98.0:
+        lines.append(
+            f"- k = 1 reached {base['accuracy']:.1f}%: near the ceiling, where a drop has little "
+            "room to show (a point is 1% of the held-out images); a shorter run (--samples) "
+            "compares below it, with more noise."
+        )
     if echo is not None:
         echo_drop = base["accuracy"] - echo["accuracy"]
         lines.append(
@@ -265,12 +286,18 @@ def verdict(table: dict[Config, dict[str, Any]]) -> list[str]:
 
 
 def _command(args: argparse.Namespace) -> str:
-    measured = [a for a in sys.argv[1:] if a != "--force"]
+    argv = sys.argv[1:]
+    skip = {i for i, a in enumerate(argv) if a in ("--force", "--no-write")}
+    if args.from_log is not None:
+        at = argv.index("--from-log")
+        skip |= {at, at + 1}
+    measured = " ".join(a for i, a in enumerate(argv) if i not in skip)
+    command = f"`python benchmarks/bench_refurbish.py {measured}`".replace(" `", "`")
     if args.from_log is None:
-        return f"`python benchmarks/bench_refurbish.py {' '.join(measured)}`".replace(" `", "`")
+        return command
     return (
-        "`python benchmarks/bench_refurbish.py`, its printed runs reported with `--from-log` "
-        "(figures as printed: 0.1 samples/s, 0.1 accuracy points)"
+        f"{command}, its printed runs reported with `--from-log` (figures as printed: "
+        "0.1 samples/s, 0.1 accuracy points)"
     )
 
 
@@ -303,14 +330,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks it works")
     parser.add_argument("--reuses", default="1,2,3,4")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=19200, help="training samples a run")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=38400, help="training samples a run")
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=10, help="steps before timing")
     parser.add_argument("--workers", type=int, default=1, help="decoding processes, rank 0")
     parser.add_argument("--num-train", type=int, default=2000)
     parser.add_argument("--num-test", type=int, default=500)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--image-size", type=int, default=192, help="generated JPEGs' side")
+    parser.add_argument("--image-size", type=int, default=256, help="generated JPEGs' side")
     parser.add_argument("--width", type=int, default=8, help="the CNN's first channels")
     parser.add_argument("--no-write", action="store_true", help="print, leave docs alone")
     parser.add_argument(

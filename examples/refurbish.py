@@ -28,6 +28,13 @@ import conveyor
 from conveyor.data import SHAPES, Refurbish, broadcast_batches, synthetic_images
 from conveyor.data.vision import DecodeCrop, DecodeResize, FinalAugment
 
+CROP_SCALE = (0.7, 1.0)
+"""The random crop keeps 70-100% of the image's area: a shape is up to 64% of the side and
+anywhere in it, and smaller crops often cut it off, leaving samples whose label is not in the
+picture (with 0.4, three seeds of the benchmark ended 71-94% accurate)."""
+CUTOUT = 0.25
+"""Share of each batch's images with a random rectangle erased."""
+
 
 class Residual(nn.Module):
     """x + conv(relu(conv(x))): a ResNet basic block at a fixed width."""
@@ -86,8 +93,8 @@ def main() -> None:
     loader = Refurbish(
         train,
         args.batch_size,
-        partial=DecodeCrop(32, scale=(0.4, 1.0)),  # decode + random crop: once per k uses
-        batch_final=FinalAugment(),  # flip, jitter, normalize, cutout: every use
+        partial=DecodeCrop(32, scale=CROP_SCALE),  # decode + random crop: once per k uses
+        batch_final=FinalAugment(cutout=CUTOUT),  # flip, jitter, normalize, cutout: every use
         reuse=args.reuse,
         echo=args.echo,
         num_workers=args.workers,
