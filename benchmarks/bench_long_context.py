@@ -15,7 +15,8 @@ parallelize_module over the attention and MLP projections, both ranks running th
 generation). Time to first token and decode tokens/s come from ``DecodePipeline.stats``;
 medians over rounds, the spread (min-max) beside them. The prediction: each unit (embedding,
 one block, head) profiled at decode and prefill shapes on both ranks at once with the static
-cache the modes use, the link between them and the latency of a collective measured, and
+cache the modes use (prefill chunks both from an empty cache and after cached ones, which cost
+Hugging Face models more), the link between them and the latency of a collective measured, and
 ``estimate`` run for each mode.
 """
 
@@ -161,8 +162,8 @@ def _run(
 def _profile(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Each unit's fits, on both ranks at once (as the modes run): embedding, one block,
     the head, with the static cache the modes run with; decode measured after prompts up to a
-    quarter of the longest, prefill chunks up to 8k, both extrapolated linearly in tokens and
-    query-key pairs."""
+    quarter of the longest, prefill chunks up to 8k from an empty cache and the two chunks
+    after one, all extrapolated linearly in tokens and query-key pairs."""
     lm = as_causal_lm(model)
     longest = max(args.prompts)
     starts = sorted({min(longest // 4, s) for s in (512, 2048, 8192, 16384)})
@@ -172,7 +173,15 @@ def _profile(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     config = GenerationConfig(cache="static")
     return {
         name: profile_stage(
-            lm, where, rows=[1], starts=starts, chunks=chunks, config=config, steps=4, repeats=2
+            lm,
+            where,
+            rows=[1],
+            starts=starts,
+            chunks=chunks,
+            resumed=2,
+            config=config,
+            steps=4,
+            repeats=2,
         )
         for name, where in units.items()
     }

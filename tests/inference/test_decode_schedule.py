@@ -128,6 +128,46 @@ def test_a_fit_leaves_out_what_its_points_cannot_tell_apart() -> None:
     assert fitted.fixed == pytest.approx(2e-3)
 
 
+def test_chunks_after_a_cached_prefix_are_priced_by_their_own_fit() -> None:
+    first, later = Fit(1.0, 0.01, 1e-4), Fit(2.0, 0.02, 2e-4)
+    fit = StageFit(decode=Fit(0.5, 0.0, 1e-5), prefill=first, resumed=later)
+    assert fit.time(1, 8, 0) == first.time(1, 8, 0)  # the first chunk
+    assert fit.time(1, 8, 8) == later.time(1, 8, 8)  # one after cached tokens
+    assert fit.time(1, 1, 16) == fit.decode.time(1, 1, 16)
+    assert StageFit(fit.decode, first).time(1, 8, 8) == first.time(1, 8, 8)  # default: prefill
+    # stages of several units: a unit without its own resumed fit adds its prefill fit
+    plain = StageFit(Fit(0.1, 0.0, 0.0), Fit(0.3, 0.0, 0.0))
+    both = fit + plain
+    assert both.time(1, 8, 8) == pytest.approx(later.time(1, 8, 8) + 0.3)
+    assert both.time(1, 8, 0) == pytest.approx(first.time(1, 8, 0) + 0.3)
+    assert (fit * 3).time(1, 8, 8) == pytest.approx(3 * later.time(1, 8, 8))
+    assert (plain + plain).resumed is None and (plain * 2).resumed is None
+
+
+def test_a_profile_measures_chunks_after_cached_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.inference import cost
+    from conveyor.models import gpt
+    from conveyor.pipeline.decode import as_causal_lm
+
+    runs: list[tuple[int, int]] = []  # (start, length) of every step measured
+    step = cost._Runner.step
+
+    def recorded(runner: cost._Runner, length: int) -> float:
+        runs.append((runner.start, length))
+        return step(runner, length)
+
+    monkeypatch.setattr(cost._Runner, "step", recorded)
+    lm = as_causal_lm(gpt(vocab_size=61, seq_len=256, dim=32, num_layers=2).eval())
+    fit = cost.profile_stage(lm, range(1, 2), [1], [16], [16, 32], resumed=2, repeats=1)
+    chunks = {(start, length) for start, length in runs if length > 1 and start > 0}
+    assert chunks == {(16, 16), (32, 16), (32, 32), (64, 32)}  # two after each first chunk
+    assert fit.resumed is not None and fit.resumed != fit.prefill
+    runs.clear()
+    plain = cost.profile_stage(lm, range(1, 2), [1], [16], [16, 32], repeats=1)
+    assert plain.resumed is None
+    assert not {(start, length) for start, length in runs if length > 1 and start > 0}
+
+
 def test_decode_costs_charge_items_messages_and_overheads() -> None:
     graph = chain(2)
     items = decode_items(2, 8, 2)
@@ -209,3 +249,4 @@ def test_collectives_cost_what_their_own_link_says_and_point_to_point_is_untouch
     fast_pp, slow_pp = both("pipeline", 2)  # messages only: the collective link is not used
     assert slow_pp == pytest.approx(fast_pp)
     assert pipeline_chunk(4096, 2) == 512 and pipeline_chunk(10, 3) == 1
+    assert pipeline_chunk(4096, 1) is None  # one stage: nothing to overlap, the whole prompt

@@ -53,15 +53,24 @@ def pairs(rows: int, length: int, start: int) -> float:
 
 @dataclass(frozen=True)
 class Fit:
-    """Seconds = fixed + per_token * tokens + per_pair * pairs, all coefficients >= 0."""
+    """Seconds = fixed + per_token * tokens + per_pair * pairs + per_slot * slots, all
+    coefficients >= 0; slots are rows x tokens x the cache's capacity, for attention that
+    scores every slot of a preallocated cache (see ``StageFit.resumed``)."""
 
     fixed: float
     per_token: float
     per_pair: float
+    per_slot: float = 0.0
 
-    def time(self, rows: int, length: int, start: int) -> float:
+    def time(self, rows: int, length: int, start: int, capacity: int | None = None) -> float:
+        """Seconds for ``length`` tokens of ``rows`` sequences after ``start`` cached ones, in
+        a cache of ``capacity`` positions (default: just large enough)."""
+        slots = rows * length * (start + length if capacity is None else capacity)
         return (
-            self.fixed + self.per_token * rows * length + self.per_pair * pairs(rows, length, start)
+            self.fixed
+            + self.per_token * rows * length
+            + self.per_pair * pairs(rows, length, start)
+            + self.per_slot * slots
         )
 
     def __add__(self, other: Fit) -> Fit:
@@ -70,15 +79,24 @@ class Fit:
             self.fixed + other.fixed,
             self.per_token + other.per_token,
             self.per_pair + other.per_pair,
+            self.per_slot + other.per_slot,
         )
 
     def __mul__(self, count: float) -> Fit:
         """``count`` of these in a row (a stage of ``count`` equal blocks)."""
-        return Fit(self.fixed * count, self.per_token * count, self.per_pair * count)
+        return Fit(
+            self.fixed * count, self.per_token * count, self.per_pair * count,
+            self.per_slot * count,
+        )  # fmt: skip
 
     @classmethod
-    def of(cls, points: Sequence[tuple[int, int, int, float]]) -> Fit:
-        """Least squares through (rows, length, start, seconds) points, coefficients >= 0.
+    def of(
+        cls,
+        points: Sequence[tuple[int, int, int, float]],
+        capacities: Sequence[int] | None = None,
+    ) -> Fit:
+        """Least squares through (rows, length, start, seconds) points, coefficients >= 0;
+        per_slot only with each point's cache ``capacities`` given.
 
         A coefficient the points cannot tell from the others is left at 0 rather than given an
         arbitrary share that would not extrapolate: per_pair when every point's pairs are a
@@ -88,8 +106,13 @@ class Fit:
         columns = [
             [1.0, rows * length, pairs(rows, length, start)] for rows, length, start, _ in points
         ]
+        if capacities is not None:
+            for column, (rows, length, _, _), capacity in zip(
+                columns, points, capacities, strict=True
+            ):
+                column.append(rows * length * capacity)
         a, y = np.array(columns), np.array([p[3] for p in points])
-        keep = [0, 1, 2]
+        keep = list(range(a.shape[1]))
         while True:  # drop what the points cannot tell apart, or a negative, and refit
             if len(keep) > 1 and _rank(a[:, keep]) < len(keep):
                 keep.remove(_redundant(a, keep))
@@ -98,7 +121,7 @@ class Fit:
             if (solution >= 0).all() or len(keep) == 1:
                 break
             keep.pop(int(np.argmin(solution)))  # (a tiny NNLS)
-        values = [0.0, 0.0, 0.0]
+        values = [0.0, 0.0, 0.0, 0.0]
         for index, value in zip(keep, solution, strict=True):
             values[index] = max(float(value), 0.0)
         return cls(*values)
@@ -125,19 +148,39 @@ def _rank(a: np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class StageFit:
-    """A stage's costs: one fit for decode items (one token), one for prompt chunks."""
+    """A stage's costs: one fit for decode items (one token), one for prompt chunks from an
+    empty cache, and one for chunks after cached ones (``resumed``; default: ``prefill``).
+
+    The last is apart because a model may run a chunk that follows cached tokens another way
+    than a first one: a Hugging Face model with its static cache attends over every slot of
+    the cache then (masked), so such a chunk costs its tokens x the cache's capacity, wherever
+    it starts; measured on a 256-wide Llama block, 2,048 tokens after 2,048 cost 0.21 s in a
+    cache of 4,096 and 0.70 s in one of 16,384, against 0.13 s for the first chunk."""
 
     decode: Fit
     prefill: Fit
+    resumed: Fit | None = None
 
-    def time(self, rows: int, length: int, start: int) -> float:
-        return (self.decode if length == 1 else self.prefill).time(rows, length, start)
+    def time(self, rows: int, length: int, start: int, capacity: int | None = None) -> float:
+        """Seconds for an item of ``length`` tokens after ``start`` cached ones, in a cache
+        of ``capacity`` positions (default: just large enough)."""
+        if length == 1:
+            fit = self.decode
+        elif start > 0 and self.resumed is not None:
+            fit = self.resumed
+        else:
+            fit = self.prefill
+        return fit.time(rows, length, start, capacity)
 
     def __add__(self, other: StageFit) -> StageFit:
-        return StageFit(self.decode + other.decode, self.prefill + other.prefill)
+        resumed = None
+        if self.resumed is not None or other.resumed is not None:
+            resumed = (self.resumed or self.prefill) + (other.resumed or other.prefill)
+        return StageFit(self.decode + other.decode, self.prefill + other.prefill, resumed)
 
     def __mul__(self, count: float) -> StageFit:
-        return StageFit(self.decode * count, self.prefill * count)
+        resumed = None if self.resumed is None else self.resumed * count
+        return StageFit(self.decode * count, self.prefill * count, resumed)
 
 
 def profile_stage(
@@ -147,6 +190,7 @@ def profile_stage(
     starts: Sequence[int],
     chunks: Sequence[int] = (),
     *,
+    resumed: int = 0,
     config: GenerationConfig | None = None,
     device: torch.device | str = "cpu",
     steps: int = 8,
@@ -156,12 +200,15 @@ def profile_stage(
 
     Decode: for each row count and each start, ``steps`` one-token steps after a prompt of
     ``start`` tokens (median); prefill: a chunk of each length in ``chunks`` from an empty
-    cache (median of ``repeats``). The last stage is timed with its sampling (``config``).
+    cache (median of ``repeats``), and, with ``resumed`` > 0, chunks of each length after
+    cached ones at ``resumed`` starts and two cache capacities (the ``resumed`` fit, for
+    prompts prefilled in chunks). The last stage is timed with its sampling (``config``).
     """
     config = config or GenerationConfig()
     device = torch.device(device)
     decode: list[tuple[int, int, int, float]] = []
     prefill: list[tuple[int, int, int, float]] = []
+    later: list[tuple[int, int, int, float, int]] = []
     with torch.no_grad():
         for r in rows:
             for start in starts:
@@ -175,8 +222,41 @@ def profile_stage(
                     for _ in range(repeats)
                 ]
                 prefill.append((r, length, 0, statistics.median(times)))
+                if resumed:
+                    later += _resumed_points(lm, units, r, length, resumed, repeats, config, device)
     decode_fit = Fit.of(decode)
-    return StageFit(decode_fit, Fit.of(prefill) if prefill else decode_fit)
+    prefill_fit = Fit.of(prefill) if prefill else decode_fit
+    resumed_fit = None
+    if later:
+        resumed_fit = Fit.of([p[:4] for p in later], capacities=[p[4] for p in later])
+    return StageFit(decode_fit, prefill_fit, resumed_fit)
+
+
+def _resumed_points(
+    lm: CausalLM,
+    units: range,
+    rows: int,
+    length: int,
+    count: int,
+    repeats: int,
+    config: GenerationConfig,
+    device: torch.device,
+) -> list[tuple[int, int, int, float, int]]:
+    """(rows, length, start, seconds, capacity): ``count`` chunks of ``length`` tokens after a
+    first one in a cache of ``count + 1`` chunks, and the second chunk in a cache twice that
+    size (which tells a cost that grows with the start from one that grows with the
+    capacity); medians of ``repeats``."""
+    capacity = length * (count + 1)
+    shapes = [(i * length, capacity) for i in range(1, count + 1)] + [(length, 2 * capacity)]
+    points = []
+    for start, size in shapes:
+        times = []
+        for _ in range(repeats):
+            runner = _Runner(lm, units, rows, size, config, device)
+            runner.step(start)
+            times.append(runner.step(length))
+        points.append((rows, length, start, statistics.median(times), size))
+    return points
 
 
 def profile_generation(
@@ -322,12 +402,15 @@ class DecodeCost:
         link: Link | None = None,
         overheads: Overheads | None = None,
         forward_overhead: float = 0.0,
+        capacity: int | None = None,
     ) -> None:
         """
         Args:
             fits: each stage's fit.
             groups: the batch's rows in each group.
             hidden_bytes: bytes of one token's hidden state (hidden size x dtype size).
+            capacity: positions of each sequence's KV cache (prompt + new tokens), for
+                fits that depend on it (``StageFit.resumed``).
         """
         if len(fits) != graph.num_stages:
             raise ValueError(f"{len(fits)} stage fits for {graph.num_stages} stages; give one each")
@@ -336,6 +419,7 @@ class DecodeCost:
         self.link = link
         self.overheads = overheads or Overheads()
         self.forward_overhead = forward_overhead
+        self.capacity = capacity
         """Seconds the decode runtime adds to every forward (inputs, context, messages)."""
 
     def compute(self, action: Action) -> float:
@@ -343,7 +427,8 @@ class DecodeCost:
             raise ValueError(f"{action} is not a decode action")
         item = self.items[action.microbatch]
         rows = len(self.groups[item.group])
-        return self.fits[action.stage].time(rows, item.length, item.start) + self.forward_overhead
+        fit = self.fits[action.stage]
+        return fit.time(rows, item.length, item.start, self.capacity) + self.forward_overhead
 
     def message_bytes(self, action: Action) -> int:
         """A fed-back token (8 bytes a sequence) or hidden states, plus the done flag."""

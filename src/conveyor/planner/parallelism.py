@@ -155,10 +155,11 @@ def compare(
     return found
 
 
-def pipeline_chunk(prompt: int, stages: int) -> int:
+def pipeline_chunk(prompt: int, stages: int) -> int | None:
     """The prompt chunk a pipeline of ``stages`` stages prefills in: 4 chunks a stage, so that
-    the stages work on the prompt at once instead of in turn."""
-    return math.ceil(prompt / (4 * stages))
+    the stages work on the prompt at once instead of in turn; None (the whole prompt) for one
+    stage, which has nothing to overlap."""
+    return None if stages == 1 else math.ceil(prompt / (4 * stages))
 
 
 def _simulated(
@@ -183,7 +184,10 @@ def _simulated(
         fits = [_context_fit(costs.block, collective, costs, cp) * n for n in layers]
         fits[0] = fits[0] + costs.embed
         fits[-1] = fits[-1] + costs.head
-        cost = DecodeCost(fits, graph, items, [range(1)], costs.hidden_bytes, link=link)
+        cost = DecodeCost(
+            fits, graph, items, [range(1)], costs.hidden_bytes, link=link,
+            capacity=prompt + new_tokens,
+        )  # fmt: skip
         return simulate(decode_program(graph, items), graph, cost).step_time
     graph = chain(1)
     items = decode_items(1, prompt, new_tokens)
