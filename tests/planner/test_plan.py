@@ -204,8 +204,11 @@ def _planned_worker(rank: int, world_size: int, plan_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def measured() -> PlanReport:
-    """The small model planned on a profile measured here (seconds of measuring: made once)."""
-    return plan(Workload("planned", _model(), _batch, _loss), 2, 1 << 30, 8, microbatches=[2, 4])
+    """The small model planned on a profile measured here, once for the module and briefly
+    (its units take microseconds: the default minimum times would take seconds)."""
+    workload = Workload("planned", _model(), _batch, _loss)
+    profile = profile_model(workload, [4, 2], min_time_s=0.003, passes=1)
+    return plan(workload, 2, 1 << 30, 8, microbatches=[2, 4], profile=profile)
 
 
 @pytest.mark.dist
@@ -330,18 +333,18 @@ def test_the_cli_profile_is_made_on_two_local_ranks_and_fitted_to_a_traced_run(
     from conveyor.planner import profile_local
 
     caplog.set_level(logging.INFO, logger="conveyor.planner.local")
-    profile = profile_local(
-        "test_plan:_factory", [2, 4], depth=1, batch_size=8, microbatch_counts=[2, 4], timeout_s=240
+    profile = profile_local(  # one size: each takes seconds (two sizes: test_profile.py)
+        "test_plan:_factory", [4], depth=1, batch_size=8, microbatch_counts=[2], timeout_s=240
     )
     # a line per phase as the ranks end it, not one at the end of minutes of silence
     for phase in ("runtime overheads:", "link:", "all-reduce link:", "profiled on both", "fitted"):
         assert f"two local ranks: {phase}" in caplog.text
     assert profile.link is not None and profile.overheads.forward > 0
     assert profile.reduce_link is not None and not profile.budget_notes
-    assert sorted(profile.stats) == [2, 4] and profile.num_units == 12
+    assert sorted(profile.stats) == [4] and profile.num_units == 12
     assert all(forward > 0 and backward > 0 for forward, backward in profile.calibration.values())
     plan(
-        Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, profile=profile, microbatches=[2, 4]
+        Workload("f", _model(), _batch, _loss), 2, 1 << 30, 8, profile=profile, microbatches=[2]
     )  # the fitted profile still matches its model
 
 

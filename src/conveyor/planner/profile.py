@@ -443,8 +443,7 @@ def profile_model(
         threads: torch threads while measuring (default 1: one rank per core, as
             ``conveyor run`` and torchrun start ranks); None keeps the current setting.
         min_time_s: each measurement repeats until it has run this long (and ``min_repeats``
-            times), or five times as long has passed with its untimed preparation; the median
-            is kept.
+            times); the median is kept.
         passes: every unit is measured in this many passes over the model, and the median
             of the passes is kept, so that a burst of other work on the machine spoils one
             pass of one unit rather than all of its measurement.
@@ -676,11 +675,6 @@ def _capture(model: nn.Module, graph: fx.Graph, inputs: Any) -> dict[fx.Node, An
     return env
 
 
-_PREPARED_SHARE = 5.0
-"""A measurement ends after this many times its minimum time, preparation included, once it
-has its minimum repeats: units whose timed part dominates never reach it."""
-
-
 class _Timer:
     """Median seconds of a callable, repeated until ``min_time_s`` and ``min_repeats``."""
 
@@ -692,12 +686,7 @@ class _Timer:
         run(prepare())  # warm-up
         samples: list[float] = []
         spent = 0.0
-        # preparing (fresh inputs, the forward a backward needs) is not timed but takes time:
-        # a unit much cheaper than its preparation stops at a bound on the whole measurement
-        wall = time.perf_counter() + _PREPARED_SHARE * self.min_time_s
-        while len(samples) < self.min_repeats or (
-            spent < self.min_time_s and time.perf_counter() < wall
-        ):
+        while len(samples) < self.min_repeats or spent < self.min_time_s:
             state = prepare()
             start = time.perf_counter()
             run(state)
