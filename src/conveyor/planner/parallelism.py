@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from conveyor.graph import chain
@@ -204,14 +204,20 @@ def _context_fit(block: StageFit, collective: Link, costs: LayerCosts, cp: int) 
     if cp == 1:
         return block
     gather = (cp - 1) * collective.transfer(costs.hidden_bytes)
-    decode = Fit(block.decode.fixed + gather, block.decode.per_token, block.decode.per_pair / cp)
-    prefill = Fit(block.prefill.fixed, block.prefill.per_token / cp, block.prefill.per_pair / cp)
-    return StageFit(decode, prefill)
+    decode = _attention_divided(block.decode, cp)
+    return StageFit(replace(decode, fixed=decode.fixed + gather), _divided(block.prefill, cp))
 
 
 def _divided(fit: Fit, devices: int) -> Fit:
-    """A fit whose token and pair work is split over ``devices``; the fixed cost is not."""
-    return Fit(fit.fixed, fit.per_token / devices, fit.per_pair / devices)
+    """A fit whose token and attention work is split over ``devices``; the fixed cost is
+    not."""
+    return replace(_attention_divided(fit, devices), per_token=fit.per_token / devices)
+
+
+def _attention_divided(fit: Fit, devices: int) -> Fit:
+    """A fit whose attention (over the cache's pairs or slots) is split over ``devices``:
+    a new token's, with the cache sharded along the sequence."""
+    return replace(fit, per_pair=fit.per_pair / devices, per_slot=fit.per_slot / devices)
 
 
 def _all_reduce(link: Link, num_bytes: float, devices: int) -> float:
@@ -258,13 +264,13 @@ class _ContextCost(_TensorCost):
         length, start, p = item.length, item.start, self.devices
         fit = _fit(self.costs.block, length)
         if length > 1:  # prefill: a P-th of the tokens and of the pairs, ring passes overlap
-            compute = Fit(fit.fixed, fit.per_token / p, fit.per_pair / p).time(1, length, start)
+            compute = _divided(fit, p).time(1, length, start)
             kv_block = 2 * math.ceil(length / p) * self.costs.hidden_bytes
             ring = (p - 1) * self.link.transfer(kv_block)
             layer = max(compute, ring + fit.fixed)
             head = _fit(self.costs.head, length).time(1, length, start)
         else:  # decode: the token everywhere, its attention over a P-th of the cache each
-            local = Fit(fit.fixed, fit.per_token, fit.per_pair / p).time(1, length, start)
+            local = _attention_divided(fit, p).time(1, length, start)
             layer = local + (p - 1) * self.collective.transfer(self.costs.hidden_bytes)
             head = _fit(self.costs.head, length).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
