@@ -27,7 +27,10 @@ sys.path[:0] = [
     *sorted(str(d) for d in _TESTS.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))),
 ]
 
-_PRELOAD = ["torch", "torch.distributed", "conveyor", "conveyor.models", "pytest", "transformers"]
+_PRELOAD = [
+    "torch", "torch.distributed", "conveyor", "conveyor.models", "pytest", "transformers",
+    "conveyor.checkpoint", "torch.distributed.fsdp",  # conveyor imports these on first use
+]  # fmt: skip
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -125,6 +125,40 @@ def test_every_module_imports_alone() -> None:
         assert process.returncode == 0, stderr[-2000:]
 
 
+HEAVY = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
+"""What costs about as much as torch to import; See Note [DTensor unimported]."""
+
+_PLAIN_RUN = """
+import sys, tempfile, torch, torch.distributed as dist
+import conveyor, conveyor.cli
+store = tempfile.mktemp()
+dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+pipe = conveyor.Pipeline(
+    model, balance=[2, 2], schedule="gpipe", num_microbatches=2, loss_fn=torch.nn.MSELoss()
+)
+pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+pipe.clip_grad_norm_(1.0)
+print(sorted(name for name in {heavy!r} if name in sys.modules))
+from conveyor import Checkpointer  # read on first use
+print(sorted(name for name in {heavy!r} if name in sys.modules))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist  # a process of its own
+def test_a_pipeline_without_dtensors_or_checkpoints_does_not_import_them() -> None:
+    """Every rank's start and every command pays for what ``import conveyor`` loads."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAIN_RUN.format(heavy=HEAVY)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.splitlines()[-2:]
+    assert before == "[]"
+    assert after == str(sorted(HEAVY))  # the check sees them once they are loaded
+
+
 def _import_each(names: list[str]) -> str:
     """Code that imports each of ``names`` with no conveyor module loaded before it. Importing
     any module runs ``conveyor/__init__`` first, so a module that ``import conveyor`` loads

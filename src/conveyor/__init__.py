@@ -16,7 +16,6 @@ import types
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from conveyor.checkpoint import Checkpointer, CheckpointError
 from conveyor.config import CheckpointConfig, PipelineConfig
 from conveyor.data import ResumableLoader
 from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain
@@ -33,6 +32,14 @@ from conveyor.schedule import SCHEDULES, ProgramError, build_program, validate
 from conveyor.simulator import simulate
 from conveyor.split import pop, skippable, stash, verify_skips
 from conveyor.trace import Timeline
+
+if TYPE_CHECKING:
+    from conveyor.checkpoint import Checkpointer, CheckpointError
+
+_LAZY = {"Checkpointer": "conveyor.checkpoint", "CheckpointError": "conveyor.checkpoint"}
+"""Names read from their package on first use: conveyor.checkpoint imports
+torch.distributed.checkpoint, which a run without checkpoints does not need (See Note
+[DTensor unimported] in conveyor.runtime.sharded)."""
 
 __all__ = [
     "MODEL_OUTPUT",
@@ -122,7 +129,12 @@ for _old in _MOVED:
 if not TYPE_CHECKING:  # to type checkers, conveyor has only the names above
 
     def __getattr__(name: str) -> Any:
-        """``conveyor.autosplit`` and the other moved modules, as their aliases."""
+        """The checkpoint names, imported on first use; ``conveyor.autosplit`` and the other
+        moved modules, as their aliases."""
+        if name in _LAZY:
+            value = getattr(importlib.import_module(_LAZY[name]), name)
+            globals()[name] = value
+            return value
         if name in _MOVED:
             return sys.modules[f"conveyor.{name}"]
         raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -6,6 +6,7 @@ back to a public API where one exists.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -140,10 +141,10 @@ def grad_unchecked(
 
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` is what ``torch.compile(module)`` returns (an OptimizedModule, which
-    torch exports under ``torch._dynamo`` only)."""
-    from torch._dynamo.eval_frame import OptimizedModule  # private: see above
-
-    return isinstance(module, OptimizedModule)
+    torch exports under ``torch._dynamo`` only). Asked without importing dynamo, which loads
+    DTensor and FSDP too: nothing was compiled before it was imported."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # private: see above
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

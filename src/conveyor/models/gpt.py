@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "Block",
@@ -155,6 +157,8 @@ def gpt_tp_plan() -> dict[str, ParallelStyle]:
     by input rows, so the activations between them stay sharded and one all-reduce joins the
     output. Attention stays whole on every rank: its fused qkv projection would need a
     head-aware split (separate q, k and v projections) to be split by columns."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     return {"*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()}
 
 

@@ -15,19 +15,21 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from conveyor.runtime.loss import LossReduction
 from conveyor.runtime.peers import PeerLostError, Peers, about_a_peer, close_group
 from conveyor.runtime.sharded import local
 from conveyor.torch_compat import GradBucket, fsdp_reduce_gradients, replicate
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["DataParallel", "reduces_in_flight"]
 
@@ -133,6 +135,8 @@ class DataParallel:
                     )
                 continue
             if fsdp:
+                from torch.distributed.fsdp import fully_shard  # See Note [DTensor unimported]
+
                 fully_shard(
                     module,
                     mesh=mesh,
@@ -424,6 +428,8 @@ def _same_ranks(group: dist.ProcessGroup, timeout: timedelta) -> dist.ProcessGro
 
 
 def _fsdp(module: nn.Module) -> FSDPModule:
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(module, FSDPModule), "DataParallel wraps every stage"
     return module
 

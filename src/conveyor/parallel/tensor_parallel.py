@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["TPPlan", "check_plan", "parallelize_stages"]
 
-TPPlan = Mapping[str, ParallelStyle]
+TPPlan = Mapping[str, "ParallelStyle"]
 """Qualified module names of the plain model (``*`` matches one name component, as in
 ``parallelize_module``) -> how to split that module (ColwiseParallel, RowwiseParallel, ...)."""
 
@@ -44,6 +47,8 @@ def parallelize_stages(stages: Mapping[int, nn.Module], mesh: DeviceMesh, plan: 
 
     Stage modules keep the plain model's qualified names, so one plan serves every split.
     """
+    from torch.distributed.tensor.parallel import parallelize_module  # Note [DTensor unimported]
+
     for module in stages.values():
         names = [name for name, _ in module.named_modules() if name]
         mine = {key: style for key, style in plan.items() if any(_matches(key, n) for n in names)}

@@ -14,12 +14,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from conveyor.files import write_atomic
 from conveyor.graph import StageGraph
 from conveyor.pipeline.weights import save_stage_files, write_index
-from conveyor.runtime.sharded import local
+from conveyor.runtime.sharded import is_dtensor, local
 from conveyor.runtime.tied import Tie
 
 __all__ = ["WholeState", "save_pretrained", "whole"]
@@ -27,14 +26,16 @@ __all__ = ["WholeState", "save_pretrained", "whole"]
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor whole on this rank: a DTensor's shards gathered (collective), else itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def placed_like(value: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
     """``value`` (a whole tensor) as this rank's part of ``current`` when that is a DTensor
     (data or tensor parallelism): each rank slices its own shard, without communication."""
-    if not isinstance(current, DTensor) or isinstance(value, DTensor):
+    if not is_dtensor(current) or is_dtensor(value):
         return value
+    from torch.distributed.tensor import distribute_tensor  # loaded: current is a DTensor
+
     return distribute_tensor(
         value.to(current.device), current.device_mesh, current.placements, src_data_rank=None
     )

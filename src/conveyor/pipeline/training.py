@@ -12,13 +12,17 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
-from conveyor.parallel import PipelineMesh
-from conveyor.runtime.sharded import local
+from conveyor.runtime.sharded import is_dtensor, local
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from conveyor.parallel import PipelineMesh
 
 __all__ = ["Rates", "Throughput", "clip_grad_norm_", "share_loss"]
 
@@ -78,7 +82,7 @@ def _counted(
         if id(param) in skipped or param.grad is None:
             continue
         names: tuple[str, ...] = ()
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             if not _first_of_replicas(param):
                 continue
             names = tuple(param.device_mesh.mesh_dim_names or ())
@@ -91,6 +95,8 @@ def _counted(
 def _first_of_replicas(tensor: DTensor) -> bool:
     """Whether this rank is at coordinate 0 of every mesh dimension ``tensor`` is replicated
     over (so it holds the copy that counts)."""
+    from torch.distributed.tensor import Replicate  # loaded: tensor is a DTensor
+
     coordinate = tensor.device_mesh.get_coordinate() or ()
     placements = tensor.placements
     return all(c == 0 for c, p in zip(coordinate, placements, strict=True) if p == Replicate())
