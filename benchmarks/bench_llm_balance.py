@@ -3,16 +3,20 @@ split, and torch.distributed.pipelining on the even split and on the best split 
 
     python benchmarks/bench_llm_balance.py              # 1f1b and zb-v, m = 8, 5 rounds
     python benchmarks/bench_llm_balance.py --quick      # one short round, docs left alone
+    python benchmarks/bench_llm_balance.py --vocab 131072 --schedules 1f1b   # a 128k vocabulary
+    python benchmarks/bench_llm_balance.py --ranks 4 --schedules 1f1b        # 4 ranks
 
-The model is conveyor's benchmark GPT (benchmarks/ootb.py) with a Llama-sized vocabulary of
-32,768 tokens: embedding, 8 blocks of width 256, head; its head and loss cost many blocks.
+The model is conveyor's benchmark GPT (benchmarks/ootb.py) with a Llama-sized vocabulary
+(32,768 tokens unless --vocab): embedding, 8 blocks of width 256, head; its head and loss cost
+many blocks.
 Before the rounds, ``conveyor.split.balance.balance_by_cost`` measures its layers in this
 process (one thread, freed host memory kept, as a conveyor rank runs) and chooses the
 balance per schedule, as a Pipeline given the number of stages and ``example_inputs`` does by
 itself (here with the loss timed too); that balance is passed as ``balance=`` so that every
-round runs the same split. Each system then runs in fresh processes of its own (2 gloo ranks,
-1 thread each; torch's never import conveyor), the four rows alternating round by round.
-Results go to the `llm-balance` section of docs/benchmarks.md.
+round runs the same split. Each system then runs in fresh processes of its own (2 gloo ranks
+unless --ranks, 1 thread each; torch's never import conveyor), the four rows alternating round
+by round. Results go to the `llm-balance` section of docs/benchmarks.md (other vocabularies
+and rank counts to a section named after them).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from report import bootstrap_interval, publishable, write_section
 
 VOCAB = 32768
 HAND = {"1f1b": [9, 1]}
-"""The best split by hand, measured from outside (issue 32): the embedding and 8 blocks, then
-the head alone; other schedules take the cost-balanced split by hand."""
+"""The best split by hand on 2 ranks, measured from outside: the embedding and 8 blocks, then
+the head alone; other schedules and rank counts take the cost-balanced split by hand."""
 ROWS = ("conveyor cost-balanced", "conveyor even", "torch even", "torch by hand")
 
 
@@ -59,8 +63,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the vocabulary")
+    parser.add_argument("--ranks", type=int, default=RANKS, help="pipeline ranks (processes)")
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps, no writing")
-    parser.add_argument("--section", default="llm-balance")
+    parser.add_argument("--section", help="docs section (default: named after the run)")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument(
         "--force", action="store_true", help="publish even if other work shared the machine"
@@ -68,10 +74,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.no_write = 1, 2, 1, True
+    if args.section is None:
+        default = args.vocab == VOCAB and args.ranks == RANKS
+        args.section = "llm-balance" + ("" if default else f"-v{args.vocab}-r{args.ranks}")
     return args
 
 
-def choose(schedules: list[str], m: int) -> tuple[dict[str, Any], float]:
+def hand_split(schedule: str, ranks: int, cost_balanced: list[int]) -> list[int]:
+    """The split by hand: HAND's on 2 ranks, else the cost-balanced one."""
+    return HAND[schedule] if ranks == RANKS and schedule in HAND else cost_balanced
+
+
+def choose(schedules: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], float]:
     """The cost-balanced split of each schedule, chosen in this process as a rank would; and
     the seconds the measurement took."""
     from conveyor.runtime.host_memory import keep_freed_memory
@@ -79,17 +93,17 @@ def choose(schedules: list[str], m: int) -> tuple[dict[str, Any], float]:
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as a conveyor rank runs by default
-    spec = Spec("conveyor", [], vocab=VOCAB)
+    spec = Spec("conveyor", [], vocab=args.vocab, ranks=args.ranks)
     gpt = gpt_module()
     x, y = batch(spec)
     net = model(spec, gpt)
     began = time.perf_counter()
     choices = {}
     for schedule in schedules:
-        ranks = placement(schedule)
+        ranks = placement(schedule, args.ranks)
         choices[schedule] = balance_by_cost(
-            net, len(ranks), x, loss_fn=gpt.gpt_loss, targets=y, num_microbatches=m,
-            placement=ranks,
+            net, len(ranks), x, loss_fn=gpt.gpt_loss, targets=y,
+            num_microbatches=args.microbatches, placement=ranks,
         )  # fmt: skip
         print(f"{schedule}: {choices[schedule]}", flush=True)
     return choices, time.perf_counter() - began
@@ -106,14 +120,18 @@ def main(argv: list[str] | None = None) -> None:
 
     started, loads = time.perf_counter(), [load_average()]
     print(f"load average before: {loads[0]:.2f}", flush=True)
-    choices, profile_s = choose(schedules, args.microbatches)
+    choices, profile_s = choose(schedules, args)
     layers = Spec("", []).layers + 2
     splits = {
         "conveyor cost-balanced": {s: list(choices[s].balance) for s in schedules},
-        "conveyor even": {s: even_balance(layers, len(placement(s))) for s in schedules},
+        "conveyor even": {
+            s: even_balance(layers, len(placement(s, args.ranks))) for s in schedules
+        },
     }
     splits["torch even"] = splits["conveyor even"]
-    splits["torch by hand"] = {s: HAND.get(s, list(choices[s].balance)) for s in schedules}
+    splits["torch by hand"] = {
+        s: hand_split(s, args.ranks, list(choices[s].balance)) for s in schedules
+    }
     configs = [(s, args.microbatches) for s in schedules]
     rounds: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
     for index in range(args.rounds):
@@ -121,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         for row in order:  # alternate, so drift in the machine hits every row
             system = row.split()[0]
             spec = Spec(
-                system, configs, vocab=VOCAB, warmup=args.warmup, steps=args.steps,
-                balances=splits[row],
+                system, configs, vocab=args.vocab, warmup=args.warmup, steps=args.steps,
+                balances=splits[row], ranks=args.ranks,
             )  # fmt: skip
             result = run_round(spec)
             if "error" in result:
@@ -137,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - started
     text = render(args, command, configs, splits, choices, profile_s, rounds, loads, seconds)
     print(text)
-    if not args.no_write and publishable(loads, args.force):
+    if not args.no_write and publishable(loads, args.force, own=args.ranks + 0.5):
         write_section(args.section, text)
 
 
@@ -152,13 +170,21 @@ def render(
     loads: list[float],
     seconds: float,
 ) -> str:
-    spec = Spec("", [], vocab=VOCAB)
+    spec = Spec("", [], vocab=args.vocab, ranks=args.ranks)
     load_note = (
-        f" — the CPU was shared with other work (load above the benchmark's {RANKS} ranks), "
-        "so step times are noisier and slower than on an idle machine; ratios come from "
-        "alternating rounds."
-        if shared(loads)
+        f" — the CPU was shared with other work (load above the benchmark's {args.ranks} "
+        "ranks), so step times are noisier and slower than on an idle machine; ratios come "
+        "from alternating rounds."
+        if shared(loads, args.ranks)
         else "."
+    )
+    cores = os.cpu_count() or 1
+    oversubscribed = (
+        f" **{args.ranks} ranks share {cores} cores**: each rank gets part of a core, so a "
+        "stage's time includes waiting for the CPU and the balance matters less than on one "
+        "device per rank."
+        if args.ranks > cores
+        else ""
     )
     lines = [
         "## A large-vocabulary LLM: the split by measured cost, conveyor and "
@@ -169,12 +195,14 @@ def render(
         f"the run: {min(loads):.1f} to {max(loads):.1f}{load_note}",
         "",
         f"GPT: embedding, {spec.layers} blocks (d_model {spec.dim}, {spec.heads} heads), head; "
-        f"sequence {spec.seq_len}, vocabulary {VOCAB}, no dropout; batch {spec.batch}; SGD. "
-        f"{RANKS} gloo ranks of 1 thread each, one stage per rank for 1f1b, two (V) for zb-v. "
+        f"sequence {spec.seq_len}, vocabulary {args.vocab}, no dropout; batch {spec.batch}; "
+        f"SGD. {args.ranks} gloo ranks of 1 thread each, one stage per rank for 1f1b, two (V) "
+        f"for zb-v.{oversubscribed} "
         "Cost-balanced: `conveyor.split.balance.balance_by_cost` on one micro-batch, in one "
         f"process before the rounds ({profile_s:.1f} s for every schedule), passed as "
         "`balance=`; even: `balance='even'` (what conveyor picks without example inputs); by hand: "
-        f"{HAND} (other schedules: the cost-balanced split). Each row in fresh processes, "
+        f"{HAND if args.ranks == RANKS else {}} (other schedules and rank counts: the "
+        "cost-balanced split). Each row in fresh processes, "
         f"alternating, {len(rounds[ROWS[0]])} rounds of {args.steps} steps after "
         f"{args.warmup} warm-up; step = slowest rank's zero_grad + step + optimizer.step "
         "between barriers; figures are medians over rounds of each round's median.",

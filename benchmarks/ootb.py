@@ -71,6 +71,12 @@ class Spec:
     extra: dict[str, Any] = field(default_factory=dict)
     balances: dict[str, list[int]] = field(default_factory=dict)
     """Layers per stage by schedule, for conveyor and torch alike (default: ``balance``)."""
+    ranks: int = RANKS
+    """Processes of a pipelined system (plain runs on one)."""
+
+    @property
+    def world(self) -> int:
+        return 1 if self.system == "plain" else self.ranks
 
 
 def gpt_module() -> Any:
@@ -92,16 +98,16 @@ def balance(layers: int, num_stages: int) -> list[int]:
 
 def balance_for(spec: Spec, schedule: str) -> list[int]:
     """The layers per stage ``spec`` gives for ``schedule``, else blocks spread evenly."""
-    return spec.balances.get(schedule) or balance(spec.layers, SCHEDULES[schedule][0] * RANKS)
+    return spec.balances.get(schedule) or balance(spec.layers, SCHEDULES[schedule][0] * spec.ranks)
 
 
-def placement(schedule: str) -> list[int]:
+def placement(schedule: str, ranks: int = RANKS) -> list[int]:
     """Rank of each stage: loop (0, 1, 0, 1) or V (0, 1, 1, 0)."""
     per_rank, shape, _ = SCHEDULES[schedule]
-    stages = range(per_rank * RANKS)
+    stages = range(per_rank * ranks)
     if shape == "v":
-        return [s if s < RANKS else 2 * RANKS - 1 - s for s in stages]
-    return [s % RANKS for s in stages]
+        return [s if s < ranks else 2 * ranks - 1 - s for s in stages]
+    return [s % ranks for s in stages]
 
 
 def batch(spec: Spec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +177,7 @@ def torch_step(spec: Spec, schedule: str, m: int, gpt: Any) -> Step:
     from torch.distributed import pipelining
 
     x, y = batch(spec)
-    ranks = placement(schedule)
+    ranks = placement(schedule, spec.ranks)
     num_stages = len(ranks)
     rank = dist.get_rank()
     layers = list(model(spec, gpt).children())
@@ -281,7 +287,7 @@ def profiled(step: Step, spec: Spec, rank: int, label: str) -> None:
 
 def child(spec: Spec, rank: int) -> None:
     torch.set_num_threads(1)
-    world = 1 if spec.system == "plain" else RANKS
+    world = spec.world
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{spec.store}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=300))  # fmt: skip
@@ -327,7 +333,7 @@ def run_round(spec: Spec, timeout_s: float = 1800) -> dict[str, Any]:
             **os.environ,
             "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         }
-        world = 1 if spec.system == "plain" else RANKS
+        world = spec.world
         procs = [
             subprocess.Popen([sys.executable, __file__, str(spec_file), str(r)], env=env)
             for r in range(world)
@@ -358,9 +364,9 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def shared(loads: list[float]) -> bool:
+def shared(loads: list[float], ranks: int = RANKS) -> bool:
     """Whether other work shared the CPU: a load above what the benchmark's own ranks make."""
-    return max(loads) > RANKS + 0.5
+    return max(loads) > ranks + 0.5
 
 
 def medians(rounds: list[dict[str, Any]], key: str) -> list[float]:

@@ -131,12 +131,8 @@ def test_demo_trains(capfd: pytest.CaptureFixture[str]) -> None:
     assert "\r" not in out.err
 
 
-@pytest.mark.dist
-def test_run_launches_a_script_on_every_rank(capfd: pytest.CaptureFixture[str]) -> None:
-    script = str(ROOT / "examples" / "train_gpt.py")
-    assert main(["run", "-n", "2", "--max-restarts", "0", script, "--steps", "10"]) == 0
-    out = capfd.readouterr()
-    assert "step 10 | loss" in out.out + out.err
+# `conveyor run` launching a script on every rank: tests/cli/test_examples.py runs each example
+# the way its docstring does
 
 
 def test_the_run_summary_names_the_rank_the_ranks_reported() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 TIMEOUT_S = 280
+FINAL = {"train_gpt": "step 30 | loss", "dlrm": "step 40 | loss", "unet": "step 20 | loss"}
+"""The last line of training some examples log, with their default number of steps."""
 
 
 def command(example: Path) -> list[str]:
@@ -62,3 +65,6 @@ def test_example_runs(example: Path, tmp_path: Path) -> None:
         pytest.fail(f"{example.name} did not finish in {TIMEOUT_S}s: {error}")
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{example.name} failed:\n{output[-4000:]}"
+    assert FINAL.get(example.stem, "") in output, output[-4000:]
+    losses = re.findall(r"\| loss (\S+)", output)
+    assert all(loss[0].isdigit() for loss in losses), losses  # no nan or inf

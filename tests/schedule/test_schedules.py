@@ -13,7 +13,6 @@ from conveyor.graph import MODEL_OUTPUT, Stage, StageGraph, chain, place
 from conveyor.runtime.memory import alive_peak
 from conveyor.schedule import (
     SCHEDULES,
-    Kind,
     Program,
     ProgramError,
     build_program,
@@ -153,21 +152,20 @@ def test_zb_v_literal() -> None:
 
 def test_dualpipe_v_literal() -> None:
     program = dualpipe_v(chain(4, placement=[0, 1, 1, 0]), num_microbatches=5)
-    # pairs (F of one chunk, then I and W of the other) from 0F3 on; 0I3 holds its W back
+    # pairs (F of one chunk, then B of the other) from 0F3 on; 0I3 holds its W back
     assert " ".join(compute(program, 0)) == (
-        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 0F4 3I2 3W2 3F3 0I1 0W1 "
-        "3I3 3W3 3F4 0I2 0W2 3I4 3W4 0I3 0W3 0I4 0W4"
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 0F4 3B2 3F3 0B1 "
+        "3B3 3F4 0B2 3B4 0I3 0W3 0I4 0W4"
     )
     assert " ".join(compute(program, 1)) == (
-        "1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 1F4 2I2 2W2 "
-        "2F4 1I2 1W2 2I3 2W3 1I3 1W3 2I4 1I4 2W4 1W4"
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 1F4 2B2 2F4 1B2 2B3 1B3 2I4 1I4 2W4 1W4"
     )
 
 
 def torch_dualpipe_v(num_ranks: int, num_microbatches: int, rank: int) -> list[str] | None:
     """torch.distributed.pipelining's DualPipeV order for ``rank``, in conveyor's text, a full
-    backward as its I then its W and a paired (overlapped) F and B as the F then the B; None
-    where this torch has no ScheduleDualPipeV (the order is read from a private method)."""
+    backward as B and a paired (overlapped) F and B as the F then the B; None where this torch
+    has no ScheduleDualPipeV (the order is read from a private method)."""
     from torch.distributed.pipelining import schedules
 
     runner_class = getattr(schedules, "ScheduleDualPipeV", None)
@@ -176,7 +174,7 @@ def torch_dualpipe_v(num_ranks: int, num_microbatches: int, rank: int) -> list[s
     runner = object.__new__(runner_class)
     runner.pp_group_size, runner._n_microbatches = num_ranks, num_microbatches
     kinds = {schedules.FORWARD: "F", schedules.BACKWARD_INPUT: "I"}
-    kinds[schedules.BACKWARD_WEIGHT] = "W"
+    kinds[schedules.BACKWARD_WEIGHT], kinds[schedules.FULL_BACKWARD] = "W", "B"
     order: list[str] = []
 
     def add(action: schedules._Action) -> None:
@@ -184,8 +182,6 @@ def torch_dualpipe_v(num_ranks: int, num_microbatches: int, rank: int) -> list[s
         if kind == schedules.OVERLAP_F_B:
             for part in action.sub_actions or ():
                 add(part)
-        elif kind == schedules.FULL_BACKWARD:
-            order.extend([f"{stage}I{k}", f"{stage}W{k}"])
         else:
             order.append(f"{stage}{kinds[kind]}{k}")
 
@@ -280,8 +276,7 @@ def test_dualpipe_v_is_valid_with_its_bubble_and_memory(
     p, m = num_ranks, num_microbatches
     graph = graph_for("dualpipev", p)
     program = dualpipe_v(graph, m)
-    validate(program, graph)  # F, then I, then W of every micro-batch on every stage
-    assert not any(a.kind is Kind.B for actions in program for a in actions)
+    validate(program, graph)  # F, then B or I and W, of every micro-batch on every stage
     timeline = simulate(program, graph)  # per chunk F = I = W = 1
     assert timeline.step_time == pytest.approx(dualpipe_v_step(p, m))
     for rank in range(p):

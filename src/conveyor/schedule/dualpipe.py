@@ -13,50 +13,55 @@ __all__ = ["dualpipe_v"]
 
 # DualPipeV, 2 ranks, 4 stages in a V (rank 0: stages 0 and 3, rank 1: stages 1 and 2), 5
 # micro-batches, F = I = W = 1 unit per chunk, in two halves (`conveyor simulate --schedule
-# dualpipev --stages 2 --microbatches 5`). Rank 0's pairs, from 0F3 on: 0F3 with 3I1 3W1,
-# 3F2 with 0I0 0W0, 0F4 with 3I2 3W2, 3F3 with 0I1 0W1, 3F4 with 0I2 0W2; in the cool-down
-# 0I3 holds its W back and 0W3 runs in the wait for the last gradient:
-# rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 0F4 3I2 3W2
-# rank 1 |  .  1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1
-#   ...  | 3F3 0I1 0W1 3I3 3W3 3F4 0I2 0W2 3I4 3W4 0I3 0W3  .  0I4 0W4
-#        | 1W1 1F4 2I2 2W2 2F4 1I2 1W2 2I3 2W3 1I3 1W3 2I4 1I4 2W4 1W4
-# Rank r of p, with down chunk d = r and up chunk u = 2p-1-r; B is an I and its W:
-#   warm-up    2(p-1-r) F_d; (r+1) x [F_d F_u]; (p-1-r) x [B_u F_u]
+# dualpipev --stages 2 --microbatches 5`). Rank 0's pairs, from 0F3 on: 0F3 with 3B1,
+# 3F2 with 0B0, 0F4 with 3B2, 3F3 with 0B1, 3F4 with 0B2; in the cool-down 0I3 and 0I4 run
+# before their W's (a B fills two units, an I or a W one):
+# rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3B1 3F2 0B0 0B0 0F4 3B2 3B2
+# rank 1 |  .  1F0 2F0 1F1 2F1 1F2 2B0 2B0 2F2 1B0 1B0 1F3 2B1 2B1 2F3 1B1
+#   ...  | 3F3 0B1 0B1 3B3 3B3 3F4  .  0B2 0B2 3B4 3B4 0I3 0W3 0I4 0W4
+#        | 1B1 1F4 2B2 2B2 2F4 1B2 1B2 2B3 2B3 1B3 1B3 2I4 1I4 2W4 1W4
+# Rank r of p, with down chunk d = r and up chunk u = 2p-1-r:
+#   warm-up    2(p-1-r) F_d; (r+1) x [F_d F_u]; (p-1-r) x [I_u W_u F_u]
 #   steady     (m-2p+r+1) x [(F_d, B_u) (F_u, B_d)], each (F, B) a pair
 #   cool-down  (p-1-r) x [B_u (F_u, B_d)]; (r+1) x [B_u B_d], the last r+1 of these
-#              backwards hold their W back; (p-1-r) x [a held W, I_d holding its W];
+#              backwards an I holding its W back; (p-1-r) x [a held W, I_d holding its W];
 #              the r+1 W's still held
-# DeepSeek's DualPipeV overlaps the two halves of each pair on a GPU (one chunk's messages
-# hide under the other's compute, and an MoE layer's all-to-all under the other's matmuls);
-# a CPU rank on gloo cannot overlap inside one action, so conveyor runs a pair as its F, then
-# its B, in the pair's order. With F = I = W every rank then idles p-1 units, as under ZB-V.
+# A backward that keeps its W with it runs whole (B), as DeepSeek's and torch's do: one pass
+# of autograd costs less than an I and a W (run split, conveyor's DualPipeV took 5% more CPU
+# a step than torch's on the schedules benchmark's GPT), though the gradient then leaves
+# after the whole backward rather than after its I. DeepSeek's DualPipeV overlaps the two
+# halves of each pair on a GPU (one chunk's messages hide under the other's compute, and an
+# MoE layer's all-to-all under the other's matmuls); a CPU rank on gloo cannot overlap inside
+# one action, so conveyor runs a pair as its F, then its B, in the pair's order. With
+# F = I = W every rank then idles p-1 units, as under ZB-V.
 def dualpipe_v(graph: StageGraph, num_microbatches: int) -> Program:
     """DualPipeV: two chunks per rank in a V (rank r holds stages r and 2p-1-r); after a
     warm-up each rank pairs a forward of one chunk with a backward of the other (of another
-    micro-batch), and the cool-down holds weight gradients back into the waits. The order is
-    DeepSeek's, which torch.distributed.pipelining's ScheduleDualPipeV runs too; a backward
-    they run whole is an I and its W at once here.
+    micro-batch), and the cool-down holds weight gradients back into the waits. The order,
+    and which backwards run whole (B) or split (I, W), is DeepSeek's, which
+    torch.distributed.pipelining's ScheduleDualPipeV runs too.
 
     With F = I = W = 1 unit per chunk and m >= 2p (what its steady state needs: every rank
     runs at least one round of pairs), a step takes 6m + p - 1 units: every rank idles p - 1,
     as under ZB-V. Rank r keeps at most min(2p + 1, 2m, m + 1 + r) (stage, micro-batch)
     activation sets alive: 2p + 1 half-size chunk sets once m >= 2p, one more than ZB-V.
     With m < 2p the schedule is the one for 2p micro-batches with the missing ones' actions
-    left out; it stays valid, at 4(m + p) - 2 units for m <= p (ZB-V's too) and
-    min(6m + 2p - 2, 4m + 5p - 1) for p < m < 2p.
+    left out and every backward split into its I and its W (whole ones would hold the
+    gradients the cut-short cool-down waits for); it stays valid, at 4(m + p) - 2 units for
+    m <= p (ZB-V's too) and min(6m + 2p - 2, 4m + 5p - 1) for p < m < 2p.
     """
     chunks = v_chunks(graph, "dualpipev")
     p = graph.num_ranks  # p: ranks, r: this rank, m: micro-batches (at least 2p here)
     m = max(num_microbatches, 2 * p)
     compute = []
     for r, (down, up) in enumerate(chunks):
-        order = _DualOrder()
+        order = _DualOrder(whole=num_microbatches >= 2 * p)
         order.forward(down, 2 * (p - 1 - r))
         for _ in range(r + 1):
             order.forward(down)
             order.forward(up)
         for _ in range(p - 1 - r):
-            order.backward(up)
+            order.backward(up, split=True)
             order.forward(up)
         for _ in range(m - 2 * p + r + 1):
             order.pair(forward=down, backward=up)
@@ -79,9 +84,13 @@ def dualpipe_v(graph: StageGraph, num_microbatches: int) -> Program:
 
 class _DualOrder:
     """One rank's compute actions, built by asking for the next forward or backward of a
-    stage; a backward is an I and its W, at once or held back in a queue (oldest first)."""
+    stage; a backward is a B, or an I and its W, at once or held back in a queue (oldest
+    first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool) -> None:
+        self.whole = whole
+        """Whether backwards that keep their W run whole (B), as in DeepSeek's order; the
+        schedule cut short (m < 2p) splits every one, which a whole B there would delay."""
         self.actions: list[Action] = []
         self.held: deque[Action] = deque()
         self._next: dict[tuple[Kind, int], int] = {}
@@ -95,8 +104,14 @@ class _DualOrder:
         for _ in range(count):
             self.actions.append(self._take(Kind.F, stage))
 
-    def backward(self, stage: int, *, hold_weight: bool = False) -> None:
-        """The next I of ``stage``, and its W now or, with ``hold_weight``, into the queue."""
+    def backward(self, stage: int, *, hold_weight: bool = False, split: bool = False) -> None:
+        """The next backward of ``stage``: whole (B); with ``split`` its I and then its W; with
+        ``hold_weight`` its I, and its W into the queue."""
+        if self.whole and not (split or hold_weight):  # a B counts as the I and W it replaces
+            k = self._take(Kind.I, stage).microbatch
+            self._take(Kind.W, stage)
+            self.actions.append(Action(stage, Kind.B, k))
+            return
         self.actions.append(self._take(Kind.I, stage))
         weight = self._take(Kind.W, stage)
         if hold_weight:
