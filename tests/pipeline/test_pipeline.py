@@ -367,21 +367,24 @@ def test_bad_input_fails_before_any_communication(tmp_path: Path) -> None:
     run_ranks(_bad_input, tmp_path, 2, timeout_s=60)
 
 
-def _hung_peer(rank: int, world_size: int) -> None:
+def _hung_peer(rank: int, world_size: int, done: str) -> None:
     pipe = conveyor.Pipeline(tiny(4), num_microbatches=2, loss_fn=F.mse_loss, timeout_s=3)
     x = torch.randn(4, 8, dtype=torch.float64)
-    if rank == 1:
-        time.sleep(12)  # hangs mid-run (say, stuck in a data loader)
+    if rank == 1:  # hangs mid-run (say, stuck in a data loader) until rank 0 has failed
+        give_up = time.monotonic() + 12
+        while not Path(done).exists() and time.monotonic() < give_up:
+            time.sleep(0.05)
         return
     start = time.monotonic()
     match = r"lost rank 1 while receiving the batch fingerprint of step 0"  # its first wait
     with pytest.raises(PeerLostError, match=match):
         pipe.step(x, x)
     assert time.monotonic() - start < 10
+    Path(done).touch()
 
 
 def test_hung_peer_fails_the_other_rank_after_the_timeout(tmp_path: Path) -> None:
-    run_ranks(_hung_peer, tmp_path, 2, timeout_s=60)
+    run_ranks(_hung_peer, tmp_path, 2, timeout_s=60, done=str(tmp_path / "failed"))
 
 
 def test_inference_runs_a_batch_smaller_than_the_microbatches(one_rank: None) -> None:

@@ -208,12 +208,11 @@ TRAINING_PHASES = ["forward", "backward", "optimizer_step"]
 
 
 def _kills() -> list[str]:
-    """Each rank killed once in forward, backward and the optimizer step, and at every phase
-    of a checkpoint write, the phases taking turns between the ranks (rank 0 coordinates the
-    save): a kill per attempt, at a later step each time, in one run (checkpoints every 2
-    steps)."""
-    timed = [(2 * i + 1 + rank, f"{phase}:rank={rank}") for i, phase in enumerate(TRAINING_PHASES)
-             for rank in (0, 1)]  # fmt: skip
+    """A kill in forward, backward and the optimizer step, and at every phase of a checkpoint
+    write, the phases taking turns between the ranks (rank 0 coordinates the save): a kill per
+    attempt, at a later step each time, in one run (checkpoints every 2 steps). Each restart
+    costs about 4 s of starting ranks, so each phase is killed on one rank."""
+    timed = [(2 * i + 1, f"{phase}:rank={i % 2}") for i, phase in enumerate(TRAINING_PHASES)]
     timed += [(2 * (i + 1), f"checkpoint.{phase}:rank={i % 2}")
               for i, phase in enumerate(CHECKPOINT_PHASES)]  # fmt: skip
     timed.sort()
@@ -223,11 +222,11 @@ def _kills() -> list[str]:
 @pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_killed_anywhere_resumes_bitwise(tmp_path: Path) -> None:
-    """SIGKILL each rank in forward, backward and the optimizer step, and a rank at every
-    phase of a checkpoint write, one after the other; every step's loss and the final
-    checkpoint equal an uninterrupted run's, bit for bit."""
+    """SIGKILL a rank in forward, backward and the optimizer step, and at every phase of a
+    checkpoint write, one after the other, both ranks in turn; every step's loss and the
+    final checkpoint equal an uninterrupted run's, bit for bit."""
     kills = _kills()
-    assert len(kills) == 11
+    assert len(kills) == 8 and {k.split(":")[1] for k in kills} == {"rank=0", "rank=1"}
     _check_against_reference(tmp_path, 12, kills)
 
 
@@ -390,10 +389,7 @@ def _stop_in_save(rank: int, out: Path, report: dict[str, Any]) -> None:
         report["seconds"] = time.monotonic() - start
 
 
-STOPPED: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {
-    "tied": _stop_in_tied_sum,
-    "save": _stop_in_save,
-}
+STOPPED: dict[str, Callable[[int, Path, dict[str, Any]], None]] = {"save": _stop_in_save}
 
 
 @contextmanager
@@ -447,14 +443,8 @@ def _stop(tmp_path: Path, scenario: str) -> dict[str, Any]:
 @pytest.mark.timeout(300)
 def test_a_stopped_peer_costs_the_timeout_and_is_named(tmp_path: Path) -> None:
     """The peer is alive with its connections open, so no backend error comes: only the
-    timeouts (the pipeline's 3 s, for the tie's messages and the checkpoint's group) end the wait,
-    and the heartbeat names the rank that stopped (tests/test_stopped_peer.py times every case)."""
-    tied = _stop(tmp_path, "tied")
-    assert (
-        "rank 0: lost rank 1 while receiving" in tied["message"]
-        and "Rank 1 has likely crashed, been killed or stopped" in tied["message"]
-    ), tied
-    assert tied["seconds"] <= 3.0 + 5.0, tied
+    timeout (the pipeline's 3 s, which the checkpoint's group takes) ends the wait, and the
+    heartbeat names the rank that stopped (test_stopped_peer.py times every other case)."""
     save = _stop(tmp_path, "save")
     assert save["timeout"] == 3.0
     assert re.search(  # the save finds it, or the wait for the save watching the heartbeats
