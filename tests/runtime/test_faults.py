@@ -23,13 +23,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
-from test_checkpoint import Run, assert_same, tied_gpt, windows
+from test_checkpoint import Run, assert_same
 from torch import nn
 
 import conveyor
 from conveyor.checkpoint import CheckpointError, list_checkpoints, read_checkpoint, verify
 from conveyor.cli.launch import failure_summary
-from conveyor.models import gpt_loss
 from conveyor.pipeline import faults
 from conveyor.runtime.peers import Failure, PeerLostError
 from dist import run_ranks
@@ -335,21 +334,6 @@ def _stopped_peer(rank: int, world_size: int, store: str, out: str, scenario: st
         report["message"] = "".join(traceback.format_exception_only(type(error), error))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     os._exit(0)
-
-
-def _stop_in_tied_sum(rank: int, out: Path, report: dict[str, Any]) -> None:
-    """Rank 1 stops where it would sum the tied gradient: rank 0 waits for its part."""
-    pipe = conveyor.Pipeline(tied_gpt(), loss_fn=gpt_loss, timeout_s=3.0)
-    inputs, targets = windows()[:8]
-    pipe.step(inputs, targets)  # the tie spans the two ranks
-    assert len(pipe.ties.params) == 1
-    if rank == 1:
-        pipe.ties._sum_gradients = lambda before: os.kill(os.getpid(), signal.SIGSTOP)  # type: ignore[method-assign]
-    start = time.monotonic()
-    try:
-        pipe.step(inputs, targets)
-    finally:
-        report["seconds"] = time.monotonic() - start
 
 
 def _stop_in_save(rank: int, out: Path, report: dict[str, Any]) -> None:

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_checkpoint import Run, small_gpt, windows
-from test_faults import _stop_in_tied_sum
+from test_checkpoint import Run, small_gpt, tied_gpt, windows
 
 import conveyor
 from conveyor.checkpoint.writer import Writer
@@ -87,6 +86,17 @@ def _mesh(rank: int, out: Path) -> None:
         run.train(0, 8)
 
 
+def _tied(rank: int, out: Path) -> None:
+    """Rank 1 stops where it would sum the tied gradient: rank 0 waits for its part."""
+    pipe = conveyor.Pipeline(tied_gpt(), loss_fn=gpt_loss, timeout_s=TIMEOUT_S)
+    inputs, targets = windows()[:8]
+    pipe.step(inputs, targets)  # the tie spans the two ranks
+    assert len(pipe.ties.params) == 1
+    if rank == 1:
+        pipe.ties._sum_gradients = lambda before: os.kill(os.getpid(), signal.SIGSTOP)  # type: ignore[method-assign]
+    pipe.step(inputs, targets)
+
+
 def _generate(rank: int, out: Path) -> None:
     """Rank 1 stops in the fourth attention of its decoding block."""
     pipe = conveyor.Pipeline(small_gpt(), loss_fn=gpt_loss, timeout_s=TIMEOUT_S)
@@ -109,8 +119,7 @@ def _generate(rank: int, out: Path) -> None:
 SCENARIOS: dict[str, tuple[Callable[[int, Path], None], int, str]] = {
     "plain": (_plain, 3, "rank 2"),
     "save": (_save, 2, "rank 1"),
-    # rank 1 stops where it would sum the tied gradient: rank 0 waits for its part
-    "tied": (lambda rank, out: _stop_in_tied_sum(rank, out, {}), 2, "rank 1"),
+    "tied": (_tied, 2, "rank 1"),
     "mesh": (_mesh, 4, "rank 0 (replica 0, stage 0)"),
     "generate": (_generate, 2, "rank 1"),
 }

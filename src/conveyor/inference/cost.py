@@ -419,8 +419,8 @@ class DecodeCost:
         self.link = link
         self.overheads = overheads or Overheads()
         self.forward_overhead = forward_overhead
-        self.capacity = capacity
         """Seconds the decode runtime adds to every forward (inputs, context, messages)."""
+        self.capacity = capacity
 
     def compute(self, action: Action) -> float:
         if action.kind is not Kind.F:
