@@ -16,8 +16,9 @@ generation). Time to first token and decode tokens/s come from ``DecodePipeline.
 medians over rounds, the spread (min-max) beside them. The prediction: each unit (embedding,
 one block, head) profiled at decode and prefill shapes on both ranks at once with the static
 cache the modes use (prefill chunks both from an empty cache and after cached ones, which cost
-Hugging Face models more), the link between them and the latency of a collective measured, and
-``estimate`` run for each mode.
+Hugging Face models more), the point-to-point link between them and an all-reduce measured
+between work, as decode meets them (``measure_between_work``), and ``estimate`` run for each
+mode.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from report import write_section
 from conveyor.inference.config import GenerationConfig
 from conveyor.inference.cost import profile_stage
 from conveyor.pipeline.decode import DecodePipeline, as_causal_lm
-from conveyor.planner.calibrate import measure_allreduce, measure_link
+from conveyor.planner.calibrate import measure_between_work
 from conveyor.planner.parallelism import LayerCosts, estimate, pipeline_chunk
 
 MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")
@@ -92,8 +93,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     pipeline = DecodePipeline(build(context), timeout_s=3600)
     cp = DecodePipeline(build(context), cp=2, timeout_s=3600)
     tp = DecodePipeline(tensor_parallel(build(context)), local=True)
-    link = measure_link()
-    collective = measure_allreduce(sizes=(1 << 10, 1 << 22, 1 << 16, 1 << 20))
+    link, collective = measure_between_work("exchange"), measure_between_work("all_reduce")
     runs = {
         "unsplit, 1 thread": lambda ids: _alone(rank, plain, ids, args.new_tokens, 1),
         "unsplit, 2 threads": lambda ids: _alone(rank, plain, ids, args.new_tokens, 2),
@@ -251,8 +251,9 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if args.measured
             else "in the same run "
         )
-        + f"(link {link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s; collectives "
-        f"{collective.latency * 1e6:.0f} us a step + {collective.bandwidth / 1e9:.2f} GB/s), "
+        + f"(messages between work: point-to-point {link.latency * 1e6:.0f} us + "
+        f"{link.bandwidth / 1e9:.2f} GB/s; all-reduce {collective.latency * 1e6:.0f} us a step + "
+        f"{collective.bandwidth / 1e9:.2f} GB/s), "
         "*err.* its error against the median.",
         "",
         "| prompt | mode | time to first token (s) | pred. | err. | decode tokens/s | pred. | "

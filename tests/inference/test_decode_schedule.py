@@ -228,25 +228,29 @@ def test_parallelisms_on_paper_agree_on_one_device_and_split_memory() -> None:
     assert max(long) < by[("pipeline", 2, 4096)].time_to_first_token
 
 
-def test_collectives_cost_what_their_own_link_says_and_point_to_point_is_untouched() -> None:
+def test_all_reduces_and_exchanges_cost_what_their_own_links_say() -> None:
     block = StageFit(decode=Fit(1e-4, 1e-5, 1e-8), prefill=Fit(1e-4, 1e-5, 1e-8))
     tiny = StageFit(decode=Fit(1e-5, 0.0, 0.0), prefill=Fit(1e-5, 0.0, 0.0))
     costs = LayerCosts(tiny, block, tiny, 64, 4, 4, block_params=0, head_params=0)
-    link, slow = Link(latency=1e-6, bandwidth=1e10), Link(latency=1e-3, bandwidth=1e10)
+    fast, slow = Link(latency=1e-6, bandwidth=1e10), Link(latency=1e-3, bandwidth=1e10)
 
-    def both(strategy: str, devices: int) -> tuple[float, float]:
+    def per_token(strategy: str, links: list[tuple[Link, Link | None]]) -> list[float]:
         found = [
-            estimate(strategy, costs, 8, link, devices, 1024, 9, collective=c)  # type: ignore[arg-type]
-            for c in (None, slow)
+            estimate(strategy, costs, 8, p2p, 2, 1024, 9, collective=c)  # type: ignore[arg-type]
+            for p2p, c in links
         ]
-        assert found[0] is not None and found[1] is not None
-        return 1 / found[0].decode_tokens_per_s, 1 / found[1].decode_tokens_per_s
+        return [1 / f.decode_tokens_per_s for f in found if f is not None]
 
-    fast_tp, slow_tp = both("tensor", 2)  # 2 all-reduces of 2 steps a layer, 1 after the head
+    fast_tp, slow_tp, tp_slow_p2p = per_token("tensor", [(fast, fast), (fast, slow), (slow, fast)])
+    # 2 all-reduces of 2 steps a layer, 1 after the head; no point-to-point message
     assert slow_tp - fast_tp == pytest.approx((8 * 2 + 1) * 2 * (1e-3 - 1e-6), rel=1e-3)
-    fast_cp, slow_cp = both("context", 2)  # one all-gather step a layer
-    assert slow_cp - fast_cp == pytest.approx(8 * (1e-3 - 1e-6), rel=1e-3)
-    fast_pp, slow_pp = both("pipeline", 2)  # messages only: the collective link is not used
-    assert slow_pp == pytest.approx(fast_pp)
+    assert tp_slow_p2p == pytest.approx(fast_tp)
+    fast_cp, cp_slow_collective, slow_cp = per_token(
+        "context", [(fast, fast), (fast, slow), (slow, fast)]
+    )
+    assert slow_cp - fast_cp == pytest.approx(8 * (1e-3 - 1e-6), rel=1e-3)  # an exchange a layer
+    assert cp_slow_collective == pytest.approx(fast_cp)
+    fast_pp, pp_slow_collective = per_token("pipeline", [(fast, fast), (fast, slow)])
+    assert pp_slow_collective == pytest.approx(fast_pp)  # messages only
     assert pipeline_chunk(4096, 2) == 512 and pipeline_chunk(10, 3) == 1
     assert pipeline_chunk(4096, 1) is None  # one stage: nothing to overlap, the whole prompt

@@ -14,6 +14,7 @@ from conveyor.planner import (
     ProfileCost,
     fit,
     layout,
+    measure_between_work,
     measure_link,
     measure_overheads,
     predict,
@@ -29,19 +30,25 @@ from dist import run_ranks
 def _overheads_worker(rank: int, world_size: int, out: str) -> None:
     overheads = measure_overheads(steps=6)
     link = measure_link(sizes=(1 << 10, 1 << 18), repeats=3)
+    between = [
+        measure_between_work(kind, sizes=(1 << 10, 1 << 18), work_s=1e-4, repeats=3)
+        for kind in ("exchange", "all_reduce")
+    ]
     if rank == 0:
-        Path(out).write_text(repr((overheads, link)))
+        Path(out).write_text(repr((overheads, link, between)))
 
 
 @pytest.mark.dist
 def test_runtime_overheads_and_link_are_measured_on_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "measured.txt"
     run_ranks(_overheads_worker, tmp_path, timeout_s=120, out=str(out))
-    overheads, link = eval(out.read_text(), {"Overheads": Overheads, "Link": Link})
+    overheads, link, between = eval(out.read_text(), {"Overheads": Overheads, "Link": Link})
     assert overheads.forward > 0 and overheads.backward >= 0 and overheads.send > 0
     assert overheads.recv > 0 and overheads.wait >= 0
     assert link.latency > 0 and link.bandwidth > 0
     assert link.transfer(1 << 20) > link.transfer(1 << 10)
+    for measured in between:  # messages after work: exchanges and all-reduces
+        assert measured.latency > 0 and measured.bandwidth > 0
 
 
 def test_overheads_need_two_ranks() -> None:

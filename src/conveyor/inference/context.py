@@ -38,9 +38,10 @@ __all__ = ["ContextParallelLM", "check_supported", "context_parallel_lm"]
 # token. So a cp rank runs every module as usual on the tokens it holds, and only attention is
 # replaced (CausalLM.run_attending): for a prompt, ring attention over every rank's chunks,
 # after which the rank keeps its chunks' keys and values (its shard); for a new token, which
-# every rank of the group runs alike, attention over every shard merged by one all-gather,
-# the token's key and value joining the shard of ``owner_of`` its position. The model's own
-# modules compute everything else: projections, rotary positions, grouped heads.
+# every rank of the group runs alike, attention over every shard merged after one exchange
+# of the partial results, the token's key and value joining the shard of ``owner_of`` its
+# position. The model's own modules compute everything else: projections, rotary positions,
+# grouped heads.
 @dataclass
 class _Layer:
     """One block's shard of the cache, for one group of sequences."""

@@ -28,6 +28,7 @@ __all__ = [
     "KVShard",
     "Partial",
     "cp_groups",
+    "exchange",
     "merge",
     "owner_of",
     "partial_attention",
@@ -42,7 +43,7 @@ __all__ = [
 # shards K_1..K_P: shard i gives o_i = softmax(s_i) V_i and l_i = logsumexp(s_i). The whole
 # is exact from the parts: l = logsumexp_i(l_i) and o = sum_i exp(l_i - l) o_i. A shard with
 # no key the query may see has l_i = -inf and weight 0 (never NaN: its weight is set to 0,
-# not computed from -inf - -inf). Decode merges once per layer: every rank all-gathers the
+# not computed from -inf - -inf). Decode merges once per layer: every rank sends every other the
 # (o_i, l_i) of the new tokens, so every rank holds the same merged output, the same next
 # hidden state and samples the same token. Prefill merges as the ring turns, block by block.
 @dataclass(frozen=True)
@@ -136,8 +137,8 @@ def partial_attention(
 # long prompt costs no more memory than its inputs. A block that every query sees whole (all
 # its keys earlier, no padding, no window) needs no mask, a block against itself a causal
 # one, and only the rest a boolean mask turned into a bias, computed a tile of queries at a
-# time. A new token (one query per head) attends without copying keys: the query heads that
-# share a key head are stacked along the queries.
+# time. A new token (one query per head) attends without copying keys, in plain products:
+# the query heads that share a key head are stacked along the queries.
 _TILE = 1024
 """Queries per masked tile: the bias of a tile over a 64k-key block is 1024 x 64k values."""
 _GROUPED_QUERIES = 64
@@ -147,14 +148,20 @@ _GROUPED_QUERIES = 64
 def _grouped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec
 ) -> Partial:
-    """Masked attention of a few queries, the query heads of one key head stacked."""
+    """Masked attention of a few queries, the query heads of one key head stacked, as plain
+    products: for a handful of queries they beat the fused kernel, which needs a bias as
+    large as the scores (a new token over 512 keys: 72 against 117 us; over 32k: 3.6 against
+    4.3 ms, 1 thread). A query that sees no key gets -inf and no output."""
     rows, heads, queries, dim = q.shape
     grouped = q.reshape(rows, spec.num_kv_heads, spec.groups * queries, dim)
     mask = allowed.expand(rows, 1, queries, allowed.shape[-1]).repeat(1, 1, spec.groups, 1)
-    part = _masked(grouped, k, v, mask, spec)
-    return Partial(
-        part.out.reshape(rows, heads, queries, dim), part.lse.reshape(rows, heads, queries)
-    )
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(grouped, k.transpose(-2, -1)).to(wide).mul_(spec.scale)
+    scores.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.where(torch.isfinite(lse), 0.0)[..., None])
+    out = torch.matmul(weights.to(v.dtype), v)
+    return Partial(out.reshape(rows, heads, queries, dim), lse.reshape(rows, heads, queries))
 
 
 def _masked(
@@ -182,16 +189,39 @@ def merge(parts: Sequence[Partial]) -> Partial:
 
 
 def _gather_merge(part: Partial, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Merge every cp rank's ``part`` of the same queries (one all-gather)."""
+    """Merge every cp rank's ``part`` of the same queries (one exchange)."""
     size = dist.get_world_size(group)
     if size == 1:
         return part.out
     packed = torch.cat([part.out.flatten(), part.lse.to(part.out.dtype).flatten()])
-    gathered = [torch.empty_like(packed) for _ in range(size)]
-    dist.all_gather(gathered, packed, group=group)
     split = part.out.numel()
-    parts = [Partial(g[:split].view_as(part.out), g[split:].view_as(part.lse)) for g in gathered]
+    parts = [
+        Partial(g[:split].view_as(part.out), g[split:].view_as(part.lse))
+        for g in exchange(packed, group)
+    ]
     return merge(parts).out
+
+
+# Note [exchanging, not all-gathering]:
+# A decode step merges every layer's partial attention: each cp rank needs each other rank's
+# few hundred values, right after computing its own. Sent to each peer and received from each
+# in one batch of point-to-point messages, this costs half of what an all-gather does between
+# computing ranks on gloo (2 CPU ranks, 1 KB after 2 ms of work: mean 0.6-0.7 ms against
+# 1.2-1.4 ms), whose collectives pass through a worker thread of the process group. A batch
+# (``batch_isend_irecv``) also keeps NCCL from blocking on a send whose receive is not posted.
+def exchange(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank of ``group``'s ``tensor`` (same shape everywhere), in rank order; See Note
+    [exchanging, not all-gathering]."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gathered = [tensor if r == rank else torch.empty_like(tensor) for r in range(size)]
+    ops = []
+    for peer in range(size):
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, tensor, group=group, group_peer=peer))
+            ops.append(dist.P2POp(dist.irecv, gathered[peer], group=group, group_peer=peer))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return gathered
 
 
 class KVShard:
@@ -249,7 +279,7 @@ def shard_attention(
 ) -> torch.Tensor:
     """Decode: the new tokens' attention over every rank's shard. Their keys and values join
     the shard of ``owner_of`` their position (all new tokens of a call share it); each rank
-    attends over its own shard and one all-gather merges the parts.
+    attends over its own shard and one exchange merges the parts.
 
     ``index`` holds the new tokens' cache positions; ``key_real`` (rows, positions so far) is
     true at real (unpadded) tokens."""
@@ -355,19 +385,19 @@ def _pass_on(
     coming = (rank - step - 1) % size
     length = sum(len(r) for r in shards[coming])
     incoming = block.new_empty((*block.shape[:3], length, block.shape[-1]))
-    to = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
-    frm = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
-    works = [
-        dist.isend(block.contiguous(), to, group=group),
-        dist.irecv(incoming, frm, group=group),
-    ]
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, block.contiguous(), group=group, group_peer=(rank + 1) % size),
+            dist.P2POp(dist.irecv, incoming, group=group, group_peer=(rank - 1) % size),
+        ]
+    )
     return _Pending(works, incoming)
 
 
 class _Pending:
     """A block in flight around the ring; calling it waits and returns it."""
 
-    def __init__(self, works: list[dist.Work | None], block: torch.Tensor) -> None:
+    def __init__(self, works: Sequence[dist.Work | None], block: torch.Tensor) -> None:
         self.works = works
         self.block = block
 

@@ -1,8 +1,8 @@
 """Pipeline vs tensor vs context parallelism for long-sequence inference, on paper: one long
 request on P devices, from per-layer costs (measured and fitted, conveyor.inference.cost) and
-link models (point-to-point for the pipeline's and the ring's messages, collective for TP's
-all-reduces and CP's decode all-gathers), each strategy run through the simulator as a decode
-Program.
+link models (point-to-point for the pipeline's and the ring's messages and CP's decode
+exchanges, collective for TP's all-reduces), each strategy run through the simulator as a
+decode Program.
 
     costs = LayerCosts(embed=..., block=..., head=..., hidden_size=1024, ...)
     rows = compare(costs, num_layers=32, link=link, devices=[2, 8, 64], prompts=[1024, 2**20])
@@ -17,9 +17,9 @@ Program.
   device runs its P-th of the tokens through every layer and passes key-value blocks around
   the ring (P - 1 transfers per layer, overlapped with the attention); decode with the KV
   cache sharded along the sequence: every device runs the new token's projections and MLP
-  (weights replicated), attends over its shard, and the partial results are combined by an
-  all-gather of each device's partial output (about one hidden vector) per layer, as
-  conveyor.inference.context runs it.
+  (weights replicated), attends over its shard, and the partial results are combined after
+  each device sends its partial output (about one hidden vector) to every other device, once
+  a layer, as conveyor.inference.context runs it.
 - **pipeline x context**: the layers in P/2 stages, each served by a cp group of 2 devices
   (DecodePipeline(cp=2) on P ranks), each stage's work divided as context parallelism
   divides it.
@@ -104,8 +104,9 @@ def estimate(
 ) -> Estimate | None:
     """``strategy``'s estimate, or None where it does not apply (TP beyond one device per
     head, PP beyond one device per layer). ``link`` carries point-to-point messages (the
-    pipeline's, the ring's); ``collective``, the link TP's all-reduces and CP's decode
-    all-gathers see (``conveyor.planner.calibrate.measure_allreduce``; default ``link``)."""
+    pipeline's, the ring's, CP's decode exchanges); ``collective``, TP's all-reduces
+    (``conveyor.planner.calibrate.measure_allreduce``; default ``link``). For decode, measure
+    both between work (``conveyor.planner.calibrate.measure_between_work``)."""
     staged = strategy == "pipeline x context"
     if (
         (strategy == "tensor" and devices > costs.num_heads)
@@ -173,7 +174,7 @@ def _simulated(
 ) -> float:
     """Seconds for ``strategy`` to prefill ``prompt`` tokens and generate ``new_tokens``, over
     ``links`` (point-to-point, collective)."""
-    link, collective = links
+    link = links[0]
     if strategy in ("pipeline", "pipeline x context"):
         cp = 2 if strategy == "pipeline x context" else 1
         stages = devices // cp
@@ -181,7 +182,7 @@ def _simulated(
         chunk = None if cp > 1 else pipeline_chunk(prompt, stages)  # cp splits the prompt
         items = decode_items(1, prompt, new_tokens, chunk)
         layers = [len(range(s, num_layers, stages)) for s in range(stages)]
-        fits = [_context_fit(costs.block, collective, costs, cp) * n for n in layers]
+        fits = [_context_fit(costs.block, link, costs, cp) * n for n in layers]
         fits[0] = fits[0] + costs.embed
         fits[-1] = fits[-1] + costs.head
         cost = DecodeCost(
@@ -197,13 +198,13 @@ def _simulated(
     ).step_time
 
 
-def _context_fit(block: StageFit, collective: Link, costs: LayerCosts, cp: int) -> StageFit:
+def _context_fit(block: StageFit, link: Link, costs: LayerCosts, cp: int) -> StageFit:
     """A block's fits when a cp group of ``cp`` ranks serves it: a prompt's tokens and pairs
     split over the group (ring transfers overlapped), a new token's pairs split and one
-    all-gather of its attention output added."""
+    exchange of its attention output added."""
     if cp == 1:
         return block
-    gather = (cp - 1) * collective.transfer(costs.hidden_bytes)
+    gather = _exchange(link, costs.hidden_bytes, cp)
     decode = _attention_divided(block.decode, cp)
     return StageFit(replace(decode, fixed=decode.fixed + gather), _divided(block.prefill, cp))
 
@@ -218,6 +219,12 @@ def _attention_divided(fit: Fit, devices: int) -> Fit:
     """A fit whose attention (over the cache's pairs or slots) is split over ``devices``:
     a new token's, with the cache sharded along the sequence."""
     return replace(fit, per_pair=fit.per_pair / devices, per_slot=fit.per_slot / devices)
+
+
+def _exchange(link: Link, num_bytes: int, devices: int) -> float:
+    """Every device sends ``num_bytes`` to every other, all messages in flight at once, each
+    device's sends one after another."""
+    return (devices - 1) * link.transfer(num_bytes)
 
 
 def _all_reduce(link: Link, num_bytes: float, devices: int) -> float:
@@ -271,7 +278,7 @@ class _ContextCost(_TensorCost):
             head = _fit(self.costs.head, length).time(1, length, start)
         else:  # decode: the token everywhere, its attention over a P-th of the cache each
             local = _attention_divided(fit, p).time(1, length, start)
-            layer = local + (p - 1) * self.collective.transfer(self.costs.hidden_bytes)
+            layer = local + _exchange(self.link, self.costs.hidden_bytes, p)
             head = _fit(self.costs.head, length).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
         return embed + self.num_layers * layer + head
