@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="prompts 1k and 2k, one round")
     parser.add_argument("--no-write", action="store_true", help="print, do not publish")
     parser.add_argument("--force", action="store_true", help="publish even on a busy machine")
-    parser.add_argument("--save", type=Path, help="also write the measured results here")
+    parser.add_argument("--save", type=Path, help="also write the runs and the profile here")
     parser.add_argument(
         "--measured",
         type=Path,
@@ -217,9 +217,8 @@ def main() -> None:
     if earlier is not None:
         results.update({p: earlier[p] for p in args.prompts})
         before, after = earlier["loads"]
-    elif args.save is not None:
-        measured = {p: results[p] for p in args.prompts}
-        torch.save({**measured, "prompts": args.prompts, "rounds": args.rounds,
+    elif args.save is not None:  # the runs, and the profile and links predicted from
+        torch.save({**results, "prompts": args.prompts, "rounds": args.rounds,
                     "loads": (before, after)}, args.save)  # fmt: skip
     text = render(args, results, before, after)
     print(text)
