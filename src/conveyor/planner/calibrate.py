@@ -261,8 +261,8 @@ def measure_between_work(
 # work, and the other rank arrives at a slightly different time: one waits for the other,
 # sleeps in the wait and is woken, and now and then a rank is descheduled for milliseconds.
 # The mean of messages after work counts all of it, as a step's time does. Measured on 2 CPU
-# cores (gloo, 1 KB, after 2 ms of work): an all-reduce's median 0.3-0.5 ms, its mean
-# 1.2-2.3 ms, with a tenth of them over 3 ms; an exchange's mean 0.6-0.7 ms.
+# cores (gloo, 1 KB, after 2 ms of work), in runs minutes apart: an all-reduce's median
+# 0.3-0.5 ms, its mean 0.9-2.3 ms, a tenth of them over 3 ms; an exchange's mean 0.5-1.2 ms.
 def _work_of(seconds: float) -> Callable[[], None]:
     """A function that computes (matrix products) for about ``seconds`` on this rank."""
     a = torch.randn(128, 128)
