@@ -397,14 +397,13 @@ def _pass_on(
 class _Pending:
     """A block in flight around the ring; calling it waits and returns it."""
 
-    def __init__(self, works: Sequence[dist.Work | None], block: torch.Tensor) -> None:
+    def __init__(self, works: list[dist.Work], block: torch.Tensor) -> None:
         self.works = works
         self.block = block
 
     def __call__(self) -> torch.Tensor:
         for work in self.works:
-            if work is not None:
-                work.wait()
+            work.wait()
         return self.block
 
 
