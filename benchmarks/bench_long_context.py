@@ -17,8 +17,9 @@ medians over rounds, the spread (min-max) beside them. The prediction: each unit
 one block, head) profiled at decode and prefill shapes on both ranks at once with the static
 cache the modes use (prefill chunks both from an empty cache and after cached ones, which cost
 Hugging Face models more), the point-to-point link between them and an all-reduce measured
-between work, as decode meets them (``measure_between_work``), and ``estimate`` run for each
-mode.
+between work, as decode meets them (``measure_between_work``), in every round next to the
+modes and pooled over the rounds (Note [links sampled through the run]), and ``estimate`` run
+for each mode.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from conveyor.inference.cost import profile_stage
 from conveyor.pipeline.decode import DecodePipeline, as_causal_lm
 from conveyor.planner.calibrate import measure_between_work
 from conveyor.planner.parallelism import LayerCosts, estimate, pipeline_chunk
+from conveyor.simulator import Link
 
 MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")
 STRATEGY = {"unsplit, 1 thread": ("pipeline", 1), "pipeline": ("pipeline", 2),
@@ -93,7 +95,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     pipeline = DecodePipeline(build(context), timeout_s=3600)
     cp = DecodePipeline(build(context), cp=2, timeout_s=3600)
     tp = DecodePipeline(tensor_parallel(build(context)), local=True)
-    link, collective = measure_between_work("exchange"), measure_between_work("all_reduce")
+    links = [_links()]
     runs = {
         "unsplit, 1 thread": lambda ids: _alone(rank, plain, ids, args.new_tokens, 1),
         "unsplit, 2 threads": lambda ids: _alone(rank, plain, ids, args.new_tokens, 2),
@@ -101,9 +103,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         "cp = 2": lambda ids: _run(cp, ids, args.new_tokens),
         "tp = 2": lambda ids: _run(tp, ids, args.new_tokens, cache="static"),
     }
-    results: dict[Any, Any] = {
-        "link": link, "collective": collective, "loads": [os.getloadavg()[0]],
-    }  # fmt: skip
+    results: dict[Any, Any] = {"loads": [os.getloadavg()[0]]}
     for prompt in [] if args.measured else args.prompts:
         ids = torch.randint(1, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
         measured: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
@@ -114,11 +114,13 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                 found = runs[mode](ids)
                 if found is not None:
                     measured[mode].append(found)
+            links.append(_links())
             print(f"rank {rank}: prompt {prompt} round {round_index} done", flush=True)
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, measured)
         results[prompt] = {m: gathered[0][m] or gathered[1][m] for m in MODES}
     results["loads"].append(os.getloadavg()[0])
+    results["links"] = links
     fits = _profile(plain, args)
     gathered_fits: list[Any] = [None, None]
     dist.all_gather_object(gathered_fits, fits)
@@ -126,6 +128,23 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         results["fits"] = {k: (gathered_fits[0][k] + gathered_fits[1][k]) * 0.5 for k in fits}
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+# Note [links sampled through the run]:
+# A message between two ranks that have just computed costs what the machine's scheduler makes
+# of it, and on 2 CPU cores that moves from minute to minute: the mean exchange after 2 ms of
+# work measured 0.26 ms in one run and 0.4-2.3 ms in eight runs on the same machine an hour
+# later. Calibrated once, the links describe one moment; calibrated after every round and
+# pooled (mean latency, mean seconds per byte), they describe the minutes the modes ran in.
+def _links() -> tuple[Link, Link]:
+    """The point-to-point link and the all-reduce, both measured between work."""
+    return measure_between_work("exchange"), measure_between_work("all_reduce")
+
+
+def _pooled(links: list[Link]) -> Link:
+    """One link for several calibrations: their mean latency and mean seconds per byte."""
+    latency = statistics.mean(link.latency for link in links)
+    return Link(latency, 1.0 / statistics.mean(1.0 / link.bandwidth for link in links))
 
 
 def _alone(
@@ -231,7 +250,9 @@ def main() -> None:
 
 
 def render(args: argparse.Namespace, results: dict[Any, Any], before: float, after: float) -> str:
-    fits, link, collective = results["fits"], results["link"], results["collective"]
+    fits, links = results["fits"], results["links"]
+    link, collective = (_pooled([pair[i] for pair in links]) for i in (0, 1))
+    latencies = [pair[0].latency * 1e6 for pair in links]
     costs = LayerCosts(
         fits["embed"], fits["block"], fits["head"], hidden_size=256, num_heads=4,
         dtype_bytes=4, block_params=0, head_params=0,
@@ -250,7 +271,9 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if args.measured
             else "in the same run "
         )
-        + f"(messages between work: point-to-point {link.latency * 1e6:.0f} us + "
+        + f"(messages between work, measured {len(links)} times through the run and pooled: "
+        f"point-to-point {link.latency * 1e6:.0f} us (each time {min(latencies):.0f}-"
+        f"{max(latencies):.0f}) + "
         f"{link.bandwidth / 1e9:.2f} GB/s; all-reduce {collective.latency * 1e6:.0f} us a step + "
         f"{collective.bandwidth / 1e9:.2f} GB/s), "
         "*err.* its error against the median.",
