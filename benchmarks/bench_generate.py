@@ -4,6 +4,7 @@ predicted; then pipeline vs tensor vs context parallelism for long sequences, on
     python benchmarks/bench_generate.py              # 'generate' and 'parallelism' sections of
                                                      # docs/benchmarks.md, docs/parallelism.png
     python benchmarks/bench_generate.py --repeats 1 --new-tokens 32 --skip-paper   # quicker
+    python benchmarks/bench_generate.py --paper-only   # the links and the paper section alone
 
 Measured: a GPT (8 blocks, width 256, 8 heads, context 1152) generating 128 new tokens after
 prompts of 128 and 1024 tokens, batch 1 and 8: the unsplit model on one process (1 and 2
@@ -92,6 +93,11 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     )
     link, overheads = measure_link(), measure_overheads()
     collective = measure_allreduce(sizes=(1 << 10, 1 << 22, 1 << 16, 1 << 20))
+    if args.paper_only:
+        if rank == 0:
+            torch.save({"link": link, "collective": collective}, out)
+        dist.destroy_process_group()
+        return
     plain = model(args)
     decoder = DecodePipeline(model(args), timeout_s=900)
     results: dict[str, Any] = {
@@ -247,6 +253,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-paper", action="store_true", help="measure only")
+    parser.add_argument(
+        "--paper-only", action="store_true", help="measure the links, write the paper section"
+    )
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument("--force", action="store_true", help="publish even on a shared machine")
     args = parser.parse_args()
@@ -258,11 +267,13 @@ def main() -> None:
         results = torch.load(out, weights_only=False)
     loads.append(os.getloadavg()[0])
     results["loads"] = loads
-    text = render(args, results)
-    print(text)
+    if not args.paper_only:
+        text = render(args, results)
+        print(text)
     if args.no_write or not publishable(loads, args.force):
         return
-    write_section("generate", text)
+    if not args.paper_only:
+        write_section("generate", text)
     if not args.skip_paper:
         costs = paper_costs()
         link, collective = results["link"], results["collective"]
@@ -424,7 +435,8 @@ def render_paper(
         "ns per query-key pair); links measured between two local gloo ranks (point to point "
         f"{link.latency * 1e6:.0f} us + {link.bandwidth / 1e9:.2f} GB/s; all-reduce "
         f"{collective.latency * 1e6:.0f} us a step + {collective.bandwidth / 1e9:.2f} GB/s, "
-        "for tensor parallelism's all-reduces and context parallelism's decode all-gathers), "
+        "for tensor parallelism's all-reduces; point to point for the pipeline's messages, "
+        "the ring and context parallelism's decode exchanges), "
         "and an assumed fast link (5 us + 100 GB/s, both) for contrast. Assumptions: costs "
         "measured at up to 2048 positions and extrapolated linearly in tokens and query-key "
         "pairs; collectives are rings "
@@ -434,8 +446,9 @@ def render_paper(
         f"({PAPER_LAYERS} blocks, {costs.num_heads} heads). Figure: [parallelism.png]"
         "(parallelism.png) (prompt of 131072).",
         "",
-        "| prompt | devices | TTFT pipeline / tensor / context (s) | decode tokens/s pipeline "
-        "/ tensor / context | same, fast link: TTFT (s) | decode tokens/s | KV cache per device "
+        "| prompt | devices | TTFT pipeline / tensor / context / pipeline x context (s) | "
+        "decode tokens/s, same order | same, fast link: TTFT (s) | decode tokens/s | "
+        "KV cache per device "
         "(GiB) | weights per device pipeline, tensor / context (GiB) |",
         "|---:|---:|---|---|---|---|---:|---|",
     ]

@@ -133,7 +133,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
 # Note [links sampled through the run]:
 # A message between two ranks that have just computed costs what the machine's scheduler makes
 # of it, and on 2 CPU cores that moves from minute to minute: the mean exchange after 2 ms of
-# work measured 0.26 ms in one run and 0.4-2.3 ms in eight runs on the same machine an hour
+# work measured 0.26 ms in one run and 0.4-2.5 ms in five runs on the same machine an hour
 # later. Calibrated once, the links describe one moment; calibrated after every round and
 # pooled (mean latency, mean seconds per byte), they describe the minutes the modes ran in.
 def _links() -> tuple[Link, Link]:

@@ -26,7 +26,10 @@ decode Program.
 
 Compute that a strategy splits is divided by P with its fixed per-call cost kept whole; KV
 caches take 2 x layers x positions x hidden values in all of them, divided by P (TP while
-P <= heads). Weights: PP and TP hold 1/P of them, CP all of them, PP x CP 2/P.
+P <= heads). Weights: PP and TP hold 1/P of them, CP all of them, PP x CP 2/P. Each device
+is taken to have memory bandwidth of its own, as GPUs do; CPU ranks that share one memory bus
+share its speed too (on 2 cores, a cp rank's decode attention over half the cache took about
+as long as one rank's over all of it, docs/long-context.md), which this model does not see.
 """
 
 from __future__ import annotations
