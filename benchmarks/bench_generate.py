@@ -260,6 +260,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
     parser.add_argument("--force", action="store_true", help="publish even on a shared machine")
     args = parser.parse_args()
+    if args.paper_only and args.skip_paper:
+        parser.error("--paper-only and --skip-paper leave nothing to do; pass one of them")
     loads = [os.getloadavg()[0]]
     print(f"load average before: {loads[0]:.2f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -268,12 +270,12 @@ def main() -> None:
         results = torch.load(out, weights_only=False)
     loads.append(os.getloadavg()[0])
     results["loads"] = loads
-    if not args.paper_only:
-        text = render(args, results)
+    text = None if args.paper_only else render(args, results)
+    if text is not None:
         print(text)
     if args.no_write or not publishable(loads, args.force):
         return
-    if not args.paper_only:
+    if text is not None:
         write_section("generate", text)
     if not args.skip_paper:
         costs = paper_costs()
