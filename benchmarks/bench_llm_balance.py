@@ -5,6 +5,7 @@ split, and torch.distributed.pipelining on the even split and on the best split 
     python benchmarks/bench_llm_balance.py --quick      # one short round, docs left alone
     python benchmarks/bench_llm_balance.py --vocab 131072 --schedules 1f1b   # a 128k vocabulary
     python benchmarks/bench_llm_balance.py --ranks 4 --schedules 1f1b        # 4 ranks
+    python benchmarks/bench_llm_balance.py --vocab 131072 --head-chunks 8     # + its head in 8
 
 The model is conveyor's benchmark GPT (benchmarks/ootb.py) with a Llama-sized vocabulary
 (32,768 tokens unless --vocab): embedding, 8 blocks of width 256, head; its head and loss cost
@@ -15,7 +16,10 @@ balance per schedule, as a Pipeline given the number of stages and ``example_inp
 itself (here with the loss timed too); that balance is passed as ``balance=`` so that every
 round runs the same split. Each system then runs in fresh processes of its own (2 gloo ranks
 unless --ranks, 1 thread each; torch's never import conveyor), the four rows alternating round
-by round. Results go to the `llm-balance` section of docs/benchmarks.md (other vocabularies
+by round. With ``--head-chunks K`` a fifth row runs the same GPT as a
+``conveyor.models.ChunkedGPT``: its head and loss in K vocabulary chunks that a stage may
+start inside, cut by ``split_points_by_cost`` in the same way. Results go to the
+`llm-balance` section of docs/benchmarks.md (other vocabularies
 and rank counts to a section named after them).
 """
 
@@ -39,6 +43,7 @@ from ootb import (
     SCHEDULES,
     Spec,
     batch,
+    chunked_model,
     gpt_module,
     load_average,
     medians,
@@ -54,6 +59,7 @@ HAND = {"1f1b": [9, 1]}
 """The best split by hand on 2 ranks, measured from outside: the embedding and 8 blocks, then
 the head alone; other schedules and rank counts take the cost-balanced split by hand."""
 ROWS = ("conveyor cost-balanced", "conveyor even", "torch even", "torch by hand")
+CHUNKED = "conveyor head in chunks"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +71,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the vocabulary")
     parser.add_argument("--ranks", type=int, default=RANKS, help="pipeline ranks (processes)")
+    parser.add_argument(
+        "--head-chunks", type=int, default=0, help="add a row with the head in K vocabulary chunks"
+    )
     parser.add_argument("--quick", action="store_true", help="1 round of 2 steps, no writing")
     parser.add_argument("--section", help="docs section (default: named after the run)")
     parser.add_argument("--no-write", action="store_true", help="print, leave the docs alone")
@@ -77,6 +86,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.section is None:
         default = args.vocab == VOCAB and args.ranks == RANKS
         args.section = "llm-balance" + ("" if default else f"-v{args.vocab}-r{args.ranks}")
+        args.section += f"-chunks{args.head_chunks}" if args.head_chunks else ""
     return args
 
 
@@ -86,26 +96,33 @@ def hand_split(schedule: str, ranks: int, cost_balanced: list[int]) -> list[int]
 
 
 def choose(schedules: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], float]:
-    """The cost-balanced split of each schedule, chosen in this process as a rank would; and
-    the seconds the measurement took."""
+    """The cost-balanced split of each schedule (and of the chunked head's, under CHUNKED),
+    chosen in this process as a rank would; and the seconds the measurement took."""
+    from conveyor.hf.loss import model_loss
     from conveyor.runtime.host_memory import keep_freed_memory
-    from conveyor.split.balance import balance_by_cost
+    from conveyor.split.balance import balance_by_cost, split_points_by_cost
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as a conveyor rank runs by default
-    spec = Spec("conveyor", [], vocab=args.vocab, ranks=args.ranks)
+    spec = Spec("conveyor", [], vocab=args.vocab, ranks=args.ranks, head_chunks=args.head_chunks)
     gpt = gpt_module()
     x, y = batch(spec)
     net = model(spec, gpt)
     began = time.perf_counter()
-    choices = {}
+    choices: dict[str, Any] = {}
     for schedule in schedules:
         ranks = placement(schedule, args.ranks)
+        options = {"num_microbatches": args.microbatches, "placement": ranks}
         choices[schedule] = balance_by_cost(
-            net, len(ranks), x, loss_fn=gpt.gpt_loss, targets=y,
-            num_microbatches=args.microbatches, placement=ranks,
-        )  # fmt: skip
+            net, len(ranks), x, loss_fn=gpt.gpt_loss, targets=y, **options
+        )
         print(f"{schedule}: {choices[schedule]}", flush=True)
+        if args.head_chunks:
+            choices[f"{schedule}, {CHUNKED}"] = chosen = split_points_by_cost(
+                chunked_model(spec), len(ranks), {"input_ids": x, "labels": y},
+                loss_fn=model_loss, **options,
+            )  # fmt: skip
+            print(f"{schedule}, {CHUNKED}: {chosen}", flush=True)
     return choices, time.perf_counter() - began
 
 
@@ -132,15 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     splits["torch by hand"] = {
         s: hand_split(s, args.ranks, list(choices[s].balance)) for s in schedules
     }
+    rows = ROWS + ((CHUNKED,) if args.head_chunks else ())
+    points = {
+        s: list(choices[f"{s}, {CHUNKED}"].split_points) for s in schedules if args.head_chunks
+    }
+    splits[CHUNKED] = points  # where its stages start: vocabulary chunks have no layer count
     configs = [(s, args.microbatches) for s in schedules]
-    rounds: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
+    rounds: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     for index in range(args.rounds):
-        order = ROWS[index % len(ROWS) :] + ROWS[: index % len(ROWS)]
+        order = rows[index % len(rows) :] + rows[: index % len(rows)]
         for row in order:  # alternate, so drift in the machine hits every row
             system = row.split()[0]
+            chunks = args.head_chunks if row == CHUNKED else 0
             spec = Spec(
                 system, configs, vocab=args.vocab, warmup=args.warmup, steps=args.steps,
-                balances=splits[row], ranks=args.ranks,
+                balances=splits[row], ranks=args.ranks, head_chunks=chunks, split_points=points,
             )  # fmt: skip
             result = run_round(spec)
             if "error" in result:
@@ -163,7 +186,7 @@ def render(
     args: argparse.Namespace,
     command: str,
     configs: list[tuple[str, int]],
-    splits: dict[str, dict[str, list[int]]],
+    splits: dict[str, dict[str, list[Any]]],
     choices: dict[str, Any],
     profile_s: float,
     rounds: dict[str, list[dict[str, Any]]],
@@ -209,7 +232,8 @@ def render(
         "",
         *(f"- {schedule}: {choice}" for schedule, choice in choices.items()),
         "",
-        "| schedule | m | row | layers per stage | ms per step | speed-up of conveyor "
+        "| schedule | m | row | layers per stage (head in chunks: where stages 1.. start) "
+        "| ms per step | speed-up of conveyor "
         "cost-balanced = row ms / its ms [95% bootstrap interval of the median] (per round) "
         "| first loss |",
         "|---|---|---|---|---|---|---|",
@@ -217,7 +241,7 @@ def render(
     for schedule, m in configs:
         key = f"{schedule}/{m}"
         ours = medians(rounds[ROWS[0]], key)
-        for row in ROWS:
+        for row in rounds:
             times = medians(rounds[row], key)
             ratios = [t / o for o, t in zip(ours, times, strict=False)]
             low, high = bootstrap_interval(ratios) if ratios else (float("nan"),) * 2
@@ -235,7 +259,22 @@ def render(
                 f"| {schedule} | {m} | {row} | {splits[row][schedule]} | {ms} | {speedup} | "
                 f"{loss} |"
             )
+    if CHUNKED in rounds:
+        lines.append("")
+        lines += [f"- {schedule}: {versus(rounds, f'{schedule}/{m}')}" for schedule, m in configs]
     return "\n".join(lines) + "\n"
+
+
+def versus(rounds: dict[str, list[dict[str, Any]]], key: str) -> str:
+    """The chunked head's speed-up over conveyor's even split and cost-balanced split."""
+    chunked = medians(rounds[CHUNKED], key)
+    found = []
+    for row in ("conveyor even", ROWS[0]):
+        ratios = [t / c for c, t in zip(chunked, medians(rounds[row], key), strict=False)]
+        low, high = bootstrap_interval(ratios)
+        ratio = statistics.median(medians(rounds[row], key)) / statistics.median(chunked)
+        found.append(f"**{ratio:.2f}x** [{low:.2f}, {high:.2f}] over {row}")
+    return f"{CHUNKED}: " + ", ".join(found)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,11 @@ class Spec:
     """Layers per stage by schedule, for conveyor and torch alike (default: ``balance``)."""
     ranks: int = RANKS
     """Processes of a pipelined system (plain runs on one)."""
+    head_chunks: int = 0
+    """conveyor only: the GPT as a ChunkedGPT, its head and loss in this many vocabulary
+    chunks, cut at ``split_points`` (0: the GPT as it is, cut by ``balances``)."""
+    split_points: dict[str, list[str]] = field(default_factory=dict)
+    """Where the stages of a ChunkedGPT start, by schedule."""
 
     @property
     def world(self) -> int:
@@ -146,7 +151,12 @@ Step = Callable[[], "float | None"]
 def conveyor_step(spec: Spec, schedule: str, m: int, gpt: Any, **options: Any) -> Step:
     import conveyor
 
-    if schedule == PLANNED:  # everything from the plan file: schedule, m, split, placement
+    if spec.head_chunks:
+        pipe = conveyor.Pipeline(
+            chunked_model(spec), split_points=spec.split_points[schedule], schedule=schedule,
+            num_microbatches=m, timeout_s=300, **options,
+        )  # fmt: skip
+    elif schedule == PLANNED:  # everything from the plan file: schedule, m, split, placement
         pipe = conveyor.Pipeline(
             model(spec, gpt), plan=spec.plan, loss_fn=gpt.gpt_loss, timeout_s=300, **options
         )
@@ -158,14 +168,22 @@ def conveyor_step(spec: Spec, schedule: str, m: int, gpt: Any, **options: Any) -
     return training_step(pipe, spec)
 
 
+def chunked_model(spec: Spec) -> nn.Module:
+    """The benchmark GPT (the same weights) as a ChunkedGPT of ``spec.head_chunks`` chunks."""
+    from conveyor.models import ChunkedGPT
+
+    return ChunkedGPT(model(spec, importlib.import_module("conveyor.models.gpt")), spec.head_chunks)
+
+
 def training_step(pipe: Any, spec: Spec) -> Step:
     """conveyor's step on the benchmark batch: zero_grad, ``pipe.step``, SGD."""
     x, y = batch(spec)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+    args = ({"input_ids": x, "labels": y},) if spec.head_chunks else (x, y)
 
     def step() -> float | None:
         optimizer.zero_grad()
-        loss = pipe.step(x, y)
+        loss = pipe.step(*args)
         optimizer.step()
         return None if loss is None else float(loss)
 

@@ -1,5 +1,6 @@
 """Models that ship with conveyor, for the demo, examples, tests and benchmarks."""
 
+from conveyor.models.chunked import ChunkedGPT
 from conveyor.models.dlrm import DLRM, click_batches, click_loss, dlrm
 from conveyor.models.gpt import (
     Block,
@@ -19,6 +20,7 @@ from conveyor.models.unet import segmentation_batches, segmentation_loss, unet
 __all__ = [
     "DLRM",
     "Block",
+    "ChunkedGPT",
     "Embedding",
     "Head",
     "TwoTower",

@@ -33,7 +33,7 @@ from conveyor.split import (
     split_model,
 )
 from conveyor.split.auto import auto_split
-from conveyor.split.balance import balance_by_cost, decoder_layers, split_points_by_cost
+from conveyor.split.balance import balance_by_cost, split_candidates, split_points_by_cost
 from conveyor.torch_compat import is_compiled
 
 __all__ = [
@@ -323,11 +323,11 @@ def _split_points(
 # split evenly by count.
 def _candidates(model: nn.Module, num_ranks: int) -> list[str]:
     """The submodules a stage may start at: an nn.Sequential's layers, or the repeated
-    blocks of another model (a transformer's ``model.layers.*``)."""
+    blocks of another model (a transformer's ``model.layers.*``) and its vocabulary chunks."""
     if isinstance(model, nn.Sequential):
         return [str(index) for index in range(len(model))]
     try:
-        return decoder_layers(model)
+        return split_candidates(model)
     except ValueError:
         raise ValueError(
             f"cannot split a {type(model).__name__} over {num_ranks} ranks "

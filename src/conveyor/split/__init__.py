@@ -14,7 +14,8 @@ Modules: ``frontend`` (``capture``: one way in for every method: torch.fx, or to
 for what fx cannot trace, ``export``, on fake tensors of the real device for a model built on
 the meta device, ``fake``), ``points`` (split points), ``modules`` (stage modules), ``auto``
 (automatic cut) and ``cut`` (its pure search), ``skip`` (stash/pop skips for nn.Sequential),
-``inputs``, ``untouched`` (measuring a model without changing it); the internal ``capture``
+``inputs``, ``untouched`` (measuring a model without changing it), ``vocab`` (a head and
+loss cut along the vocabulary, so stages can start inside it); the internal ``capture``
 (fx) and ``stages`` are what they share.
 """
 
@@ -25,8 +26,10 @@ from conveyor.split.modules import StageAnnotation, split_by_modules
 from conveyor.split.points import balance_to_split_points, even_balance, split_model
 from conveyor.split.skip import pop, skippable, stash, verify_skips
 from conveyor.split.stages import build_stage_graph
+from conveyor.split.vocab import ChunkedHeadLoss
 
 __all__ = [
+    "ChunkedHeadLoss",
     "StageAnnotation",
     "Traced",
     "Tracer",

@@ -45,6 +45,7 @@ from conveyor.split.capture import unknown_module
 from conveyor.split.inputs import bind_inputs
 from conveyor.split.points import balance_to_split_points, even_balance
 from conveyor.split.untouched import untouched
+from conveyor.split.vocab import VocabChunk, vocab_chunks
 from conveyor.torch_compat import pytree
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "decoder_layers",
     "measure_unit_costs",
     "min_max_balance",
+    "split_candidates",
     "split_points_by_cost",
 ]
 
@@ -210,7 +212,7 @@ def split_points_by_cost(
         choice = split_points_by_cost(llama, 2, batch, loss_fn=model_loss)
         Pipeline(llama, split_points=list(choice.split_points), example_inputs=batch)
 
-    ``candidates`` (default: ``decoder_layers(model)``) are submodules forward calls in
+    ``candidates`` (default: ``split_candidates(model)``) are submodules forward calls in
     that order, such as ``model.layers.0`` ... ``model.layers.31``; unit 0 is what runs
     before the first (the embedding), the last unit runs to the loss (the last layer, the
     norm, the head). The even split spreads the candidates evenly, unit 0 on stage 0. A
@@ -218,7 +220,7 @@ def split_points_by_cost(
     ``loss_fn=conveyor.hf.loss.model_loss`` to start the backward from it. Other arguments
     as ``balance_by_cost``.
     """
-    starts = list(decoder_layers(model) if candidates is None else candidates)
+    starts = list(split_candidates(model) if candidates is None else candidates)
     if len(set(starts)) != len(starts):
         raise ValueError(f"candidates {starts} repeat a name; give each once")
     if not 1 <= num_stages <= len(starts):
@@ -236,12 +238,20 @@ def split_points_by_cost(
     )  # fmt: skip
 
 
+def split_candidates(model: nn.Module) -> list[str]:
+    """Where a stage of a model that is not an nn.Sequential may start: its decoder layers,
+    then the chunks of a head cut along the vocabulary (conveyor.split.vocab), if it has one."""
+    return decoder_layers(model) + vocab_chunks(model)
+
+
 def decoder_layers(model: nn.Module) -> list[str]:
     """The layers of the model's longest ``nn.ModuleList`` of one class (a transformer's
-    blocks: ``model.layers.0``, ... for Llama, ``transformer.h.0``, ... for GPT-2)."""
+    blocks: ``model.layers.0``, ... for Llama, ``transformer.h.0``, ... for GPT-2), chunks of a
+    vocabulary head aside."""
     found: list[str] = []
     for name, module in model.named_modules():
         same = isinstance(module, nn.ModuleList) and len({type(m) for m in module}) == 1
+        same = same and not isinstance(module[0], VocabChunk)
         if same and len(module) > len(found):
             found = [f"{name}.{index}" for index in range(len(module))]
     if len(found) < 2:

@@ -1,0 +1,123 @@
+"""A language model's head and loss over chunks of its vocabulary, so a pipeline can split them.
+
+    head = ChunkedHeadLoss.from_linear(lm_head, chunks=8)   # the same loss, 8 submodules
+    loss = head(hidden, labels)                             # == cross_entropy(lm_head(hidden))
+
+With a vocabulary of 128k tokens the output projection and its cross-entropy cost more than
+every transformer block together, so no cut between layers balances a pipeline: the stage
+holding the head is the bottleneck. Cut into chunks along the vocabulary, the head becomes a
+run of layers like the blocks, and a split by measured cost puts some of its chunks on the
+stage before (See Note [loss over vocabulary chunks]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+__all__ = ["ChunkedHeadLoss", "VocabChunk", "vocab_chunks"]
+
+IGNORE_INDEX = -100
+"""The label of a token the loss skips, as torch's cross_entropy and transformers use it."""
+
+
+# Note [loss over vocabulary chunks]:
+# Cross-entropy is lse(z) - z[label] per token, z the logits over the whole vocabulary. Chunk
+# c sees only its logits z_c, so each chunk carries two per-token numbers to the next: the
+# running log-sum-exp (lse = logaddexp(lse, logsumexp(z_c))), and the label's logit, added by
+# the one chunk whose range holds the label. Both are exact (logaddexp is the stable merge of
+# two log-sum-exps), and what crosses a stage boundary inside the head is the hidden state and
+# these two numbers per token, never a logit. Autograd does the rest: the backward of the merge
+# hands each chunk its share of softmax - one-hot, as the whole head's backward would.
+class VocabChunk(nn.Module):
+    """Rows ``[start, start + len(weight))`` of the output projection, and their part of the
+    cross-entropy (See Note [loss over vocabulary chunks])."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, start: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.start = start
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        picked: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running log-sum-exp and label logit, this chunk added (None: the first)."""
+        logits = F.linear(hidden, self.weight, self.bias)
+        size = self.weight.shape[0]
+        local = labels - self.start
+        inside = (local >= 0) & (local < size)
+        mine = logits.gather(-1, local.clamp(0, size - 1).unsqueeze(-1)).squeeze(-1)
+        mine = torch.where(inside, mine, torch.zeros_like(mine))
+        chunk_lse = logits.logsumexp(-1)
+        if lse is None or picked is None:
+            return chunk_lse, mine
+        return torch.logaddexp(lse, chunk_lse), picked + mine
+
+    def extra_repr(self) -> str:
+        rows = self.weight.shape[0]
+        return f"vocabulary [{self.start}, {self.start + rows}), bias={self.bias is not None}"
+
+
+class ChunkedHeadLoss(nn.Module):
+    """An output projection and its mean cross-entropy, the vocabulary cut into ``chunks``
+    submodules (``chunks.0``, ``chunks.1``, ...) a pipeline may split between.
+
+    ``forward(hidden, labels)`` equals ``cross_entropy(linear(hidden).flatten(0, -2),
+    labels.flatten(), ignore_index=-100)``: the mean over tokens whose label is not -100.
+    """
+
+    def __init__(self, chunks: list[VocabChunk]) -> None:
+        super().__init__()
+        if not chunks:
+            raise ValueError("a chunked head needs at least one chunk")
+        self.chunks = nn.ModuleList(chunks)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, chunks: int) -> ChunkedHeadLoss:
+        """The head of ``linear`` (its weights copied, rows cut as evenly as they go).
+
+        The copy is a new parameter: a projection tied to the token embedding would come
+        untied, so the model that builds the head refuses one (as ``ChunkedGPT`` does)."""
+        vocab = linear.out_features
+        if not 1 <= chunks <= vocab:
+            raise ValueError(
+                f"cannot cut a vocabulary of {vocab} tokens into {chunks} chunks; "
+                f"use 1 to {vocab} chunks"
+            )
+        parts = []
+        for rows in torch.arange(vocab).tensor_split(chunks):
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            bias = None if linear.bias is None else linear.bias.detach()[first:last].clone()
+            parts.append(VocabChunk(linear.weight.detach()[first:last].clone(), bias, first))
+        return cls(parts)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        lse, picked = None, None
+        for chunk in self.chunks:
+            lse, picked = chunk(hidden, labels, lse, picked)
+        assert lse is not None and picked is not None
+        counted = labels != IGNORE_INDEX
+        losses = torch.where(counted, lse - picked, torch.zeros_like(lse))
+        return losses.sum() / counted.sum()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits (for evaluation and generation, not the loss)."""
+        chunks: list[VocabChunk] = list(self.chunks)  # type: ignore[arg-type]
+        return torch.cat([F.linear(hidden, c.weight, c.bias) for c in chunks], dim=-1)
+
+
+def vocab_chunks(model: nn.Module) -> list[str]:
+    """Qualified names of the vocabulary chunks of ``model``'s chunked heads, in order: the
+    places inside a head that a stage may start at."""
+    return [
+        f"{name}.chunks.{index}"
+        for name, module in model.named_modules()
+        if isinstance(module, ChunkedHeadLoss)
+        for index in range(len(module.chunks))
+    ]
