@@ -259,6 +259,15 @@ def render(
                 f"| {schedule} | {m} | {row} | {splits[row][schedule]} | {ms} | {speedup} | "
                 f"{loss} |"
             )
+    crashes = {
+        row: sum(r.get("teardown_crashes", 0) for r in found) for row, found in rounds.items()
+    }
+    if any(crashes.values()):
+        lines.append("")
+        lines.append(
+            "Processes that exited non-zero after their last step and their report (figures "
+            f"complete): {', '.join(f'{row} {n}' for row, n in crashes.items() if n)}."
+        )
     if CHUNKED in rounds:
         lines.append("")
         lines += [f"- {schedule}: {versus(rounds, f'{schedule}/{m}')}" for schedule, m in configs]

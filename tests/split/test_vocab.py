@@ -51,9 +51,24 @@ def test_the_chunked_loss_and_its_gradients_are_the_whole_heads(chunks: int, bia
     assert [c.start for c in head.chunks] == starts
 
 
+def test_half_precision_logits_are_taken_to_float32() -> None:
+    linear = nn.Linear(16, VOCAB).to(torch.bfloat16)
+    hidden, target = torch.randn(4, 6, 16, dtype=torch.bfloat16), labels((4, 6))
+    loss = ChunkedHeadLoss.from_linear(linear, 3)(hidden, target)
+    expected = F.cross_entropy(linear(hidden).float().flatten(0, 1), target.flatten())
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected)
+
+
 def test_a_vocabulary_is_cut_into_one_to_its_size_chunks() -> None:
     with pytest.raises(ValueError, match=r"cannot cut a vocabulary of 50 tokens into 51 chunks"):
         ChunkedHeadLoss.from_linear(nn.Linear(4, VOCAB), VOCAB + 1)
+
+
+def test_chunks_that_do_not_tile_the_vocabulary_are_refused() -> None:
+    first, second = ChunkedHeadLoss.from_linear(nn.Linear(4, VOCAB), 2).chunks
+    with pytest.raises(ValueError, match="chunk 0 starts at token 25, expected 0"):
+        ChunkedHeadLoss([second, first])  # type: ignore[list-item]
 
 
 def test_a_gpt_with_a_chunked_head_computes_the_gpts_loss() -> None:

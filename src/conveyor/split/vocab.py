@@ -49,6 +49,8 @@ class VocabChunk(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The running log-sum-exp and label logit, this chunk added (None: the first)."""
         logits = F.linear(hidden, self.weight, self.bias)
+        if logits.dtype in (torch.float16, torch.bfloat16):  # a log-sum-exp needs float32's range
+            logits = logits.float()
         size = self.weight.shape[0]
         local = labels - self.start
         inside = (local >= 0) & (local < size)
@@ -70,12 +72,22 @@ class ChunkedHeadLoss(nn.Module):
 
     ``forward(hidden, labels)`` equals ``cross_entropy(linear(hidden).flatten(0, -2),
     labels.flatten(), ignore_index=-100)``: the mean over tokens whose label is not -100.
+    Half-precision logits are taken to float32 first, as transformers' losses take them.
     """
 
     def __init__(self, chunks: list[VocabChunk]) -> None:
         super().__init__()
         if not chunks:
             raise ValueError("a chunked head needs at least one chunk")
+        expected = 0
+        for index, chunk in enumerate(chunks):
+            if chunk.start != expected:
+                raise ValueError(
+                    f"chunk {index} starts at token {chunk.start}, expected {expected}: the "
+                    "chunks must cover the vocabulary in order, each starting where the last "
+                    "ended (ChunkedHeadLoss.from_linear cuts a projection so)"
+                )
+            expected += chunk.weight.shape[0]
         self.chunks = nn.ModuleList(chunks)
 
     @classmethod
@@ -90,9 +102,10 @@ class ChunkedHeadLoss(nn.Module):
                 f"cannot cut a vocabulary of {vocab} tokens into {chunks} chunks; "
                 f"use 1 to {vocab} chunks"
             )
-        parts = []
-        for rows in torch.arange(vocab).tensor_split(chunks):
-            first, last = int(rows[0]), int(rows[-1]) + 1
+        size, extra = divmod(vocab, chunks)
+        parts, last = [], 0
+        for index in range(chunks):  # as tensor_split cuts: the first `extra` a row longer
+            first, last = last, last + size + (index < extra)
             bias = None if linear.bias is None else linear.bias.detach()[first:last].clone()
             parts.append(VocabChunk(linear.weight.detach()[first:last].clone(), bias, first))
         return cls(parts)
