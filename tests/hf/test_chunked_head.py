@@ -95,3 +95,38 @@ def _cut_inside_the_head(rank: int, world_size: int) -> None:
 
 def test_a_pipeline_cut_inside_a_llamas_head_trains_as_plain(tmp_path: Path) -> None:
     run_ranks(_cut_inside_the_head, tmp_path, 2, timeout_s=180)
+
+
+def _loaded_from_files(rank: int, world_size: int, directory: str) -> None:
+    """Built on the meta device and loaded from transformers' own files: each rank's chunks
+    are the rows of the saved ``lm_head.weight``, and the loss is the loaded model's own."""
+    if rank == 0:
+        torch.manual_seed(0)
+        llama().save_pretrained(directory)
+    torch.distributed.barrier()
+    with torch.device("meta"):
+        model = ChunkedCausalLM(llama(), chunks=4)
+    ids, labels = batch()
+    example = {"input_ids": ids, "labels": labels}
+    pipe = conveyor.Pipeline(
+        model, split_points=["head.chunks.2"], num_microbatches=4, example_inputs=example,
+        weights=directory, timeout_s=60,
+    )  # fmt: skip
+    plain = transformers.LlamaForCausalLM.from_pretrained(directory)
+    rows = plain.lm_head.weight.detach().tensor_split(4)
+    held = dict(pipe.named_parameters())
+    for index, expected in enumerate(rows):
+        if f"head.chunks.{index}.weight" in held:
+            torch.testing.assert_close(
+                held[f"head.chunks.{index}.weight"], expected, rtol=0, atol=0
+            )
+    assert ("head.chunks.3.weight" in held) == (rank == 1)
+    loss = pipe.step(example)
+    own = ids.clone()
+    own[1, 9:] = -100
+    if loss is not None:
+        torch.testing.assert_close(loss, plain(input_ids=ids, labels=own).loss.detach())
+
+
+def test_a_chunked_llama_loads_its_head_from_the_models_files(tmp_path: Path) -> None:
+    run_ranks(_loaded_from_files, tmp_path, 2, timeout_s=180, directory=str(tmp_path / "w"))

@@ -29,7 +29,8 @@ class ChunkedCausalLM(nn.Module):
     cross-entropy of ``labels`` read in place, each the token that follows its position (-100
     where none counts). That is the model's own loss with ``labels=input_ids`` when
     ``labels`` is ``input_ids`` shifted left by one, -100 last. The base model keeps its
-    parameter names (``model.layers.0...``); the head's are ``head.chunks.i.weight``.
+    parameter names (``model.layers.0...``); the head's are ``head.chunks.i.weight``, read
+    from the rows of the model's ``lm_head.weight`` by ``Pipeline(..., weights=DIR)``.
     """
 
     def __init__(self, model: nn.Module, chunks: int) -> None:
@@ -50,7 +51,8 @@ class ChunkedCausalLM(nn.Module):
                 "untie it; chunk a model with an untied head"
             )
         self.model = getattr(model, str(model.base_model_prefix))
-        self.head = ChunkedHeadLoss.from_linear(head, chunks)
+        source = next(name for name, module in model.named_modules() if module is head)
+        self.head = ChunkedHeadLoss.from_linear(head, chunks, source)
 
     def forward(
         self,

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from conveyor.hf.loss import is_transformers_model
+from conveyor.split.vocab import ChunkedHeadLoss
 
 __all__ = ["KeyMap", "Source", "initializer", "key_map"]
 
@@ -98,8 +99,30 @@ def key_map(
             found = KeyMap({k: Source((k,)) for k in keys if k in state})
             found.ignored = [k for k in keys if k not in state]
         groups += _tied_groups(model, state)
+        _add_chunked_heads(model, found)
     _add_tied(found.sources, groups)
     return found
+
+
+def _add_chunked_heads(model: nn.Module, found: KeyMap) -> None:
+    """A head cut along the vocabulary (conveyor.split.vocab) reads each chunk's rows of the
+    projection it was cut from, which the files hold whole."""
+    for name, head in model.named_modules():
+        if not isinstance(head, ChunkedHeadLoss) or head.source is None:
+            continue
+        for kind in ("weight", "bias"):
+            key = f"{head.source}.{kind}"
+            if key not in found.ignored:
+                continue
+            rows = {f"{name}.chunks.{i}.{kind}": span for i, span in enumerate(head.rows())}
+
+            def cut(get: Callable[[str], torch.Tensor], key: str = key, rows: Any = rows) -> Any:
+                whole = get(key)
+                return {target: whole[a:b].clone() for target, (a, b) in rows.items()}
+
+            source = Source((key,), cut)
+            found.sources.update(dict.fromkeys(rows, source))
+            found.ignored.remove(key)
 
 
 def _tied_groups(model: nn.Module, state: set[str]) -> list[list[str]]:

@@ -75,8 +75,11 @@ class ChunkedHeadLoss(nn.Module):
     Half-precision logits are taken to float32 first, as transformers' losses take them.
     """
 
-    def __init__(self, chunks: list[VocabChunk]) -> None:
+    def __init__(self, chunks: list[VocabChunk], source: str | None = None) -> None:
         super().__init__()
+        self.source = source
+        """Qualified name of the projection the chunks were cut from, whose tensors a weights
+        file holds whole (``lm_head``): ``Pipeline(..., weights=DIR)`` reads their rows."""
         if not chunks:
             raise ValueError("a chunked head needs at least one chunk")
         expected = 0
@@ -91,8 +94,11 @@ class ChunkedHeadLoss(nn.Module):
         self.chunks = nn.ModuleList(chunks)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, chunks: int) -> ChunkedHeadLoss:
-        """The head of ``linear`` (its weights copied, rows cut as evenly as they go).
+    def from_linear(
+        cls, linear: nn.Linear, chunks: int, source: str | None = None
+    ) -> ChunkedHeadLoss:
+        """The head of ``linear`` (its weights copied, rows cut as evenly as they go);
+        ``source`` names ``linear`` in weights files (see ``ChunkedHeadLoss.source``).
 
         The copy is a new parameter: a projection tied to the token embedding would come
         untied, so the model that builds the head refuses one (as ``ChunkedGPT`` does)."""
@@ -108,7 +114,7 @@ class ChunkedHeadLoss(nn.Module):
             first, last = last, last + size + (index < extra)
             bias = None if linear.bias is None else linear.bias.detach()[first:last].clone()
             parts.append(VocabChunk(linear.weight.detach()[first:last].clone(), bias, first))
-        return cls(parts)
+        return cls(parts, source)
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         lse, picked = None, None
@@ -119,10 +125,18 @@ class ChunkedHeadLoss(nn.Module):
         losses = torch.where(counted, lse - picked, torch.zeros_like(lse))
         return losses.sum() / counted.sum()
 
+    @property
+    def parts(self) -> list[VocabChunk]:
+        """The chunks, in vocabulary order."""
+        return list(self.chunks)  # type: ignore[arg-type]
+
+    def rows(self) -> list[tuple[int, int]]:
+        """The vocabulary range ``[first, last)`` of each chunk."""
+        return [(c.start, c.start + c.weight.shape[0]) for c in self.parts]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The whole vocabulary's logits (for evaluation and generation, not the loss)."""
-        chunks: list[VocabChunk] = list(self.chunks)  # type: ignore[arg-type]
-        return torch.cat([F.linear(hidden, c.weight, c.bias) for c in chunks], dim=-1)
+        """The whole vocabulary's logits (for evaluation, not the loss)."""
+        return torch.cat([F.linear(hidden, c.weight, c.bias) for c in self.parts], dim=-1)
 
 
 def vocab_chunks(model: nn.Module) -> list[str]:
