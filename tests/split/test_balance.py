@@ -331,3 +331,22 @@ def _pipeline_default(rank: int, world_size: int) -> None:
 @pytest.mark.dist
 def test_a_pipeline_given_only_its_ranks_cuts_by_measured_cost(tmp_path: Path) -> None:
     run_ranks(_pipeline_default, tmp_path, 2, timeout_s=120)
+
+
+def _choice(costs: tuple[float, ...], num_stages: int) -> BalanceChoice:
+    units = UnitCosts(tuple(str(i) for i in range(1, len(costs))), costs, costs)
+    balance = tuple(min_max_balance(units.total, num_stages))
+    return BalanceChoice(
+        balance, units.split_points(balance), units.stage_times(balance), balance,
+        units.stage_times(balance), units, measured=True,
+    )  # fmt: skip
+
+
+def test_a_last_layer_heavier_than_a_balanced_stage_gets_advice() -> None:
+    """A head outweighing half the model bounds every step whatever the cut: the choice says
+    so and points at the vocabulary chunks; a lighter one gets no advice."""
+    advice = _choice((1.0,) * 6 + (10.0,), 2).heavy_last_unit()
+    assert advice is not None
+    assert "takes 20000.0 ms" in advice and "(16000.0 ms)" in advice, advice
+    assert "ChunkedCausalLM" in advice
+    assert _choice((1.0,) * 6 + (6.0,), 2).heavy_last_unit() is None

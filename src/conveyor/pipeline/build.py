@@ -308,6 +308,9 @@ def _split_points(
             loss_fn=model_loss if own else None, **options,
         )  # fmt: skip
     logger.info("%s", choice)
+    advice = choice.heavy_last_unit()
+    if advice is not None:
+        logger.warning("%s", advice)
     return tuple(choice.split_points)
 
 

@@ -143,6 +143,23 @@ class BalanceChoice:
             f"{ms(self.stage_times)}; even {list(self.even)}: {ms(self.even_times)})"
         )
 
+    def heavy_last_unit(self) -> str | None:
+        """What to do when the last unit (a language model's head and loss) alone takes
+        longer than a balanced stage, so that no cut between units can balance the stages;
+        None when it does not."""
+        total = self.costs.total
+        balanced = sum(total) / len(self.balance)
+        if len(total) < 2 or total[-1] <= 1.1 * balanced:
+            return None
+        return (
+            f"the last layer (with the loss) takes {1e3 * total[-1]:.1f} ms a micro-batch, "
+            f"more than a stage of an even share of the model ({1e3 * balanced:.1f} ms), so no "
+            "cut between layers balances the stages: it bounds every step. If it is a language "
+            "model's output head, cut it along its vocabulary so that stages may start inside "
+            "it (conveyor.hf.head.ChunkedCausalLM, conveyor.split.ChunkedHeadLoss; "
+            "docs/models.md)"
+        )
+
 
 def balance_by_cost(
     model: nn.Sequential,
