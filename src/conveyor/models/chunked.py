@@ -1,7 +1,9 @@
 """conveyor's GPT with its head and loss over vocabulary chunks, for large vocabularies.
 
-model = ChunkedGPT(gpt(vocab_size=131072, ...), chunks=8)   # the same weights and loss
-pipe = Pipeline(model, num_stages=2, example_inputs={"input_ids": x, "labels": y})
+    model = ChunkedGPT(gpt(vocab_size=131072, ...), chunks=8)   # the same weights and loss
+    pipe = Pipeline(model, num_stages=2, example_inputs={"input_ids": x, "labels": y})
+
+The split by measured cost may then start a stage inside the head (docs/models.md).
 """
 
 from __future__ import annotations
