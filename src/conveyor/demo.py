@@ -190,4 +190,6 @@ def worker_args(demo: DemoConfig, pipeline: PipelineConfig) -> list[str]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from conveyor.runtime.peers import leave
+
+    leave(main())  # See Note [threads at exit]

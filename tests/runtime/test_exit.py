@@ -173,3 +173,24 @@ def test_every_way_of_building_a_pipeline_exits_0(
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@pytest.mark.dist
+def test_leave_runs_exit_handlers_flushes_and_exits_with_the_code() -> None:
+    """conveyor's own rank entry points end with ``leave``: what an exit handler and the
+    program wrote reaches the pipe (not lost with the skipped finalization), with the code."""
+    script = (
+        "import atexit, logging\n"
+        "from conveyor.runtime.peers import leave\n"
+        "atexit.register(lambda: print('handler ran', flush=False))\n"
+        "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+        "logging.info('logged')\n"
+        "print('printed', end='; ')\n"
+        "leave(3)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "printed; handler ran\n", done.stdout
+    assert done.stderr == "logged\n", done.stderr

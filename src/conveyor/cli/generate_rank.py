@@ -3,8 +3,9 @@ torchrun starts. A module of its own that nothing imports: ``conveyor.cli`` impo
 ``conveyor.cli.generate``, which ``-m`` would then run a second time, with a warning."""
 
 from conveyor.cli.generate import worker
+from conveyor.runtime.peers import leave
 
 __all__: list[str] = []
 
 if __name__ == "__main__":
-    raise SystemExit(worker())
+    leave(worker())  # See Note [threads at exit]

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -36,6 +37,7 @@ __all__ = [
     "StepRefused",
     "about_a_peer",
     "close_group",
+    "leave",
     "name_job",
     "read_failure",
     "remaining",
@@ -615,7 +617,11 @@ _stopping = threading.Event()
 # the group is destroyed and nothing refers to it, so a Checkpointer destroys its group when it
 # is closed, and is closed at exit. The pipeline's direction groups carry only point-to-point
 # messages, which those threads never run. A collective on another group (the user's world,
-# data parallelism's) leaves the same short window after it, as it does without conveyor.
+# data parallelism's) leaves the same short window after it, as it does without conveyor: a
+# `conveyor generate` rank aborted so after printing its tokens (once, in a whole suite run).
+# conveyor's own rank entry points (the demo's, generate's) therefore end with ``leave``: the
+# exit handlers run and the output is flushed, then the process ends without finalizing the
+# interpreter, the one moment a thread taking the GIL is killed.
 def start_heartbeat() -> None:
     """Beat in the store every HEARTBEAT_S from a daemon thread (once per process, stopped at
     exit), so ``silent_ranks`` can tell a stopped or hung rank from a busy one."""
@@ -626,6 +632,18 @@ def start_heartbeat() -> None:
         _stopping.clear()
         _heartbeat = threading.Thread(target=_beat, name="conveyor-heartbeat", daemon=True)
         _heartbeat.start()
+
+
+def leave(code: int) -> NoReturn:
+    """End this rank's process with ``code`` once its work is done: exit handlers run and
+    output is flushed, the interpreter is not finalized (See Note [threads at exit]). For
+    entry points conveyor owns, never for a user's script."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def stop_heartbeat() -> None:
