@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_vocab import assert_step_is_plain
 from torch import nn
 
 import conveyor
@@ -82,15 +83,7 @@ def _cut_inside_the_head(rank: int, world_size: int) -> None:
         model, split_points=["head.chunks.1"], num_microbatches=4, example_inputs=example,
         timeout_s=60,
     )  # fmt: skip
-    loss = pipe.step(example)
-    expected = plain(**example)["loss"]
-    expected.backward()
-    if loss is not None:
-        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
-    reference = dict(plain.named_parameters())
-    for name, parameter in pipe.named_parameters():
-        assert parameter.grad is not None, name
-        torch.testing.assert_close(parameter.grad, reference[name].grad, rtol=0, atol=1e-10)
+    assert_step_is_plain(pipe, plain, example, "cut at head.chunks.1")
 
 
 def test_a_pipeline_cut_inside_a_llamas_head_trains_as_plain(tmp_path: Path) -> None:

@@ -130,18 +130,24 @@ def _through_the_head(rank: int, world_size: int) -> None:
         pipe = conveyor.Pipeline(model, num_microbatches=4, timeout_s=30, **options)
         if "example_inputs" in options:
             assert pipe.split_points == ("head.chunks.2",), pipe.split_points
-        loss = pipe.step(batch)
-        expected = plain(**batch)["loss"]
-        expected.backward()
-        if loss is not None:
-            torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
-        reference = dict(plain.named_parameters())
-        for name, parameter in pipe.named_parameters():
-            assert parameter.grad is not None, f"{options}: {name} has no gradient"
-            torch.testing.assert_close(
-                parameter.grad, reference[name].grad, rtol=0, atol=1e-10,
-                msg=lambda m, n=name, o=options: f"{o}: {n}: {m}",
-            )  # fmt: skip
+        assert_step_is_plain(pipe, plain, batch, str(options))
+
+
+def assert_step_is_plain(pipe: conveyor.Pipeline, plain: nn.Module, batch: dict, what: str) -> None:
+    """One step of ``pipe`` on ``batch``: its loss (where this rank has it) and every gradient
+    it holds equal those of ``plain``, the unsplit model computing its own loss (float64)."""
+    loss = pipe.step(batch)
+    expected = plain(**batch)["loss"]
+    expected.backward()
+    if loss is not None:
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-10)
+    reference = dict(plain.named_parameters())
+    for name, parameter in pipe.named_parameters():
+        assert parameter.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(
+            parameter.grad, reference[name].grad, rtol=0, atol=1e-10,
+            msg=lambda m, n=name: f"{what}: {n}: {m}",
+        )  # fmt: skip
 
 
 @pytest.mark.dist
