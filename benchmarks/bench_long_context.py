@@ -14,9 +14,10 @@ planner plans it), cp = 2 (DecodePipeline(cp=2)) and tensor parallelism (torch's
 parallelize_module over the attention and MLP projections, both ranks running the
 generation). Time to first token and decode tokens/s come from ``DecodePipeline.stats``;
 medians over rounds, the spread (min-max) beside them. The prediction: each unit (embedding,
-one block, head) profiled at decode and prefill shapes on both ranks at once with the static
-cache the modes use (prefill chunks both from an empty cache and after cached ones, which cost
-Hugging Face models more), the point-to-point link between them and an all-reduce measured
+one block, head) profiled at decode and prefill shapes with the static cache the modes use
+(prefill chunks both from an empty cache and after cached ones, which cost Hugging Face
+models more), on both ranks at once and on one alone (Note [profiled as the mode runs]), and
+tp's split block at decode, the point-to-point link between them and an all-reduce measured
 between work, as decode meets them (``measure_between_work``), in every round next to the
 modes and pooled over the rounds (Note [links sampled through the run]), and ``estimate`` run
 for each mode.
@@ -29,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,10 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import write_section
 
 from conveyor.inference.config import GenerationConfig
-from conveyor.inference.cost import profile_stage
+from conveyor.inference.cost import StageFit, profile_stage
 from conveyor.pipeline.decode import DecodePipeline, as_causal_lm
 from conveyor.planner.calibrate import measure_between_work
-from conveyor.planner.parallelism import LayerCosts, estimate, pipeline_chunk
+from conveyor.planner.parallelism import (
+    LayerCosts,
+    estimate,
+    measured_tensor_overhead,
+    pipeline_chunk,
+)
 from conveyor.simulator import Link
 
 MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")
@@ -94,7 +101,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     plain = build(context)
     pipeline = DecodePipeline(build(context), timeout_s=3600)
     cp = DecodePipeline(build(context), cp=2, timeout_s=3600)
-    tp = DecodePipeline(tensor_parallel(build(context)), local=True)
+    split = tensor_parallel(build(context))
+    tp = DecodePipeline(split, local=True)
     links = [_links()]
     runs = {
         "unsplit, 1 thread": lambda ids: _alone(rank, plain, ids, args.new_tokens, 1),
@@ -121,13 +129,20 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         results[prompt] = {m: gathered[0][m] or gathered[1][m] for m in MODES}
     results["loads"].append(os.getloadavg()[0])
     results["links"] = links
-    fits = _profile(plain, args)
-    gathered_fits: list[Any] = [None, None]
-    dist.all_gather_object(gathered_fits, fits)
+    results["fits"] = _both(_profile(plain, args))
+    results["tensor"] = _both(_profile(split, args, units=("block",), decode_only=True))["block"]
+    results["fits_alone"] = _profile(plain, args) if rank == 0 else None
+    dist.barrier()
     if rank == 0:
-        results["fits"] = {k: (gathered_fits[0][k] + gathered_fits[1][k]) * 0.5 for k in fits}
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def _both(fits: dict[str, Any]) -> dict[str, Any]:
+    """Fits both ranks profiled at once, averaged over the two."""
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, fits)
+    return {k: (gathered[0][k] + gathered[1][k]) * 0.5 for k in fits}
 
 
 # Note [links sampled through the run]:
@@ -178,32 +193,41 @@ def _run(
     return stats.time_to_first_token, stats.decode_tokens_per_s
 
 
-def _profile(model: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Each unit's fits, on both ranks at once (as the modes run): embedding, one block,
-    the head, with the static cache the modes run with; decode measured after prompts up to a
-    quarter of the longest, prefill chunks up to 8k from an empty cache and the two chunks
-    after one, all extrapolated linearly in tokens and query-key pairs."""
+def _profile(
+    model: Any,
+    args: argparse.Namespace,
+    units: tuple[str, ...] = ("embed", "block", "head"),
+    decode_only: bool = False,
+) -> dict[str, Any]:
+    """``units``' fits (of the embedding, one block, the head), with the static cache the
+    modes run with; decode measured after prompts up to a quarter of the longest (``_starts``),
+    prefill chunks up to 8k from an empty cache and the two chunks after one, all
+    extrapolated linearly in tokens and query-key pairs."""
     lm = as_causal_lm(model)
     longest = max(args.prompts)
-    starts = sorted({min(longest // 4, s) for s in (512, 2048, 8192, 16384)})
-    chunks = sorted({min(longest // 4, c) for c in (512, 2048, 8192)})
+    chunks = [] if decode_only else sorted({min(longest // 4, c) for c in (512, 2048, 8192)})
     last = lm.num_units - 1
-    units = {"embed": range(0, 1), "block": range(1, 2), "head": range(last, last + 1)}
+    where = {"embed": range(0, 1), "block": range(1, 2), "head": range(last, last + 1)}
     config = GenerationConfig(cache="static")
     return {
         name: profile_stage(
             lm,
-            where,
+            where[name],
             rows=[1],
-            starts=starts,
+            starts=_starts(args),
             chunks=chunks,
-            resumed=2,
+            resumed=0 if decode_only else 2,
             config=config,
             steps=4,
             repeats=2,
         )
-        for name, where in units.items()
+        for name in units
     }
+
+
+def _starts(args: argparse.Namespace) -> list[int]:
+    """The cached tokens decode is profiled after: up to a quarter of the longest prompt."""
+    return sorted({min(max(args.prompts) // 4, s) for s in (512, 2048, 8192, 16384)})
 
 
 def main() -> None:
@@ -250,13 +274,10 @@ def main() -> None:
 
 
 def render(args: argparse.Namespace, results: dict[Any, Any], before: float, after: float) -> str:
-    fits, links = results["fits"], results["links"]
+    links = results["links"]
     link, collective = (_pooled([pair[i] for pair in links]) for i in (0, 1))
     latencies = [pair[0].latency * 1e6 for pair in links]
-    costs = LayerCosts(
-        fits["embed"], fits["block"], fits["head"], hidden_size=256, num_heads=4,
-        dtype_bytes=4, block_params=0, head_params=0,
-    )  # fmt: skip
+    costs = _costs_by_mode(args, results, collective)
     lines = [
         "## One long request: pipeline, tensor and context parallelism, measured and predicted",
         "",
@@ -271,7 +292,12 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if args.measured
             else "in the same run "
         )
-        + f"(messages between work, measured {len(links)} times through the run and pooled: "
+        + "(each mode's units profiled as its ranks run them: the unsplit model's and the "
+        "pipeline's decode on one rank while the other waits, the rest on both ranks at once; "
+        "tp's split layer costs "
+        f"{costs['tp = 2'].tensor_overhead * 1e3:.1f} ms more than its half of the work and "
+        "its two all-reduces: torch's DTensor dispatch; "
+        f"messages between work, measured {len(links)} times through the run and pooled: "
         f"point-to-point {link.latency * 1e6:.0f} us (each time {min(latencies):.0f}-"
         f"{max(latencies):.0f}) + "
         f"{link.bandwidth / 1e9:.2f} GB/s; all-reduce {collective.latency * 1e6:.0f} us a step + "
@@ -299,14 +325,50 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
     return "\n".join(lines)
 
 
+def _costs_by_mode(
+    args: argparse.Namespace, results: dict[Any, Any], collective: Link
+) -> dict[str, LayerCosts]:
+    """The costs each mode is predicted from: profiled as its ranks run (Note [profiled as
+    the mode runs])."""
+    together, alone = results["fits"], results["fits_alone"]
+    pipeline = {k: StageFit(alone[k].decode, v.prefill, v.resumed) for k, v in together.items()}
+    both = _layer_costs(together)
+    overhead = measured_tensor_overhead(
+        both, results["tensor"].decode, collective, 2, _starts(args)
+    )
+    return {
+        "unsplit, 1 thread": _layer_costs(alone),
+        "pipeline": _layer_costs(pipeline),
+        "cp = 2": both,
+        "tp = 2": replace(both, tensor_overhead=overhead),
+    }
+
+
+# Note [profiled as the mode runs]:
+# On 2 CPU cores the two ranks share one memory bus, so a unit costs more while the other rank
+# works too: decode over a long cache most, as it reads the cache at the bus's speed. Each
+# mode is predicted from the costs its ranks meet: the unsplit model from units profiled on
+# one rank while the other waits; cp and tp from units profiled on both ranks at once; the
+# pipeline's chunked prefill, in which both stages work at once, from the latter and its
+# decode, in which one rank works at a time, from the former. tp's layers are also profiled
+# split (both ranks, torch's parallelize_module): what they cost beyond their half of the work
+# and their two all-reduces is the framework's dispatch of sharded weights, the planner's
+# ``tensor_overhead``.
+def _layer_costs(fits: dict[str, StageFit]) -> LayerCosts:
+    return LayerCosts(
+        fits["embed"], fits["block"], fits["head"], hidden_size=256, num_heads=4,
+        dtype_bytes=4, block_params=0, head_params=0,
+    )  # fmt: skip
+
+
 def _predicted(
-    mode: str, costs: LayerCosts, links: tuple[Any, Any], prompt: int, new_tokens: int
+    mode: str, costs: dict[str, LayerCosts], links: tuple[Any, Any], prompt: int, new_tokens: int
 ) -> tuple[float, float] | None:
     if mode not in STRATEGY:
         return None
     strategy, devices = STRATEGY[mode]
     found = estimate(
-        strategy, costs, 4, links[0], devices, prompt, new_tokens,  # type: ignore[arg-type]
+        strategy, costs[mode], 4, links[0], devices, prompt, new_tokens,  # type: ignore[arg-type]
         collective=links[1],
     )  # fmt: skip
     return None if found is None else (found.time_to_first_token, found.decode_tokens_per_s)

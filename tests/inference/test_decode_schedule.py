@@ -10,7 +10,13 @@ import pytest
 from conveyor.graph import chain
 from conveyor.inference import decode_items, decode_program
 from conveyor.inference.cost import DecodeCost, Fit, StageFit, pairs
-from conveyor.planner.parallelism import LayerCosts, compare, estimate, pipeline_chunk
+from conveyor.planner.parallelism import (
+    LayerCosts,
+    compare,
+    estimate,
+    measured_tensor_overhead,
+    pipeline_chunk,
+)
 from conveyor.program import Action, Kind, Program
 from conveyor.schedule import ProgramError, validate
 from conveyor.simulator import Link, Overheads, simulate
@@ -254,3 +260,28 @@ def test_all_reduces_and_exchanges_cost_what_their_own_links_say() -> None:
     assert pp_slow_collective == pytest.approx(fast_pp)  # messages only
     assert pipeline_chunk(4096, 2) == 512 and pipeline_chunk(10, 3) == 1
     assert pipeline_chunk(4096, 1) is None  # one stage: nothing to overlap, the whole prompt
+
+
+def test_tensor_overhead_costs_every_split_layer_and_is_recovered_from_a_split_profile() -> None:
+    block = StageFit(decode=Fit(1e-3, 0.0, 1e-8), prefill=Fit(1e-4, 1e-5, 1e-8))
+    tiny = StageFit(decode=Fit(1e-5, 0.0, 0.0), prefill=Fit(1e-5, 0.0, 0.0))
+    costs = LayerCosts(tiny, block, tiny, 64, 4, 4, block_params=0, head_params=0)
+    link = Link(latency=1e-4, bandwidth=1e9)
+    # one layer split over 2 devices, as a profile would find it: the whole fixed cost, half
+    # the attention, two all-reduces of 2 steps (64 float32 each) and 3 ms of dispatch
+    reduce = 2 * (1e-4 + 64 * 4 / 2 / 1e9)
+    split = Fit(1e-3 + 2 * reduce + 3e-3, 0.0, 0.5e-8)
+    overhead = measured_tensor_overhead(costs, split, link, 2, [256, 1024, 4096])
+    assert overhead == pytest.approx(3e-3)
+    dearer = dataclasses.replace(costs, tensor_overhead=overhead)
+
+    def per_token(strategy: str, layer_costs: LayerCosts) -> float:
+        found = estimate(strategy, layer_costs, 8, link, 2, 1024, 9)  # type: ignore[arg-type]
+        assert found is not None
+        return 1 / found.decode_tokens_per_s
+
+    assert per_token("tensor", dearer) - per_token("tensor", costs) == pytest.approx(8 * 3e-3)
+    for strategy in ("pipeline", "context"):  # nothing is split by tensor parallelism there
+        assert per_token(strategy, dearer) == pytest.approx(per_token(strategy, costs))
+    faster = Fit(1e-3, 0.0, 0.5e-8)  # a split layer faster than the model: no negative cost
+    assert measured_tensor_overhead(costs, faster, link, 2, [256]) == 0.0

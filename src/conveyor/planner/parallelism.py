@@ -11,7 +11,8 @@ decode Program.
   flow through the stages; a new token passes every stage in turn (one request: P - 1 devices
   idle at each token).
 - **tensor** (TP, Megatron-style): every layer's heads and MLP split over the P devices, two
-  all-reduces of the layer's activations per layer (ring: 2(P - 1) steps); at most one
+  all-reduces of the layer's activations per layer (ring: 2(P - 1) steps) and the
+  framework's dispatch of the split layer (``LayerCosts.tensor_overhead``); at most one
   device per head.
 - **context** (CP): the sequence split over the P devices. Prefill as ring attention: each
   device runs its P-th of the tokens through every layer and passes key-value blocks around
@@ -35,6 +36,7 @@ as long as one rank's over all of it, docs/long-context.md), which this model do
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -52,6 +54,7 @@ __all__ = [
     "Strategy",
     "compare",
     "estimate",
+    "measured_tensor_overhead",
     "pipeline_chunk",
 ]
 
@@ -73,6 +76,10 @@ class LayerCosts:
     block_params: int
     head_params: int
     """Parameters of the LM head and the embedding together."""
+    tensor_overhead: float = 0.0
+    """Seconds a layer split by tensor parallelism spends per call beyond its share of the
+    work and its two all-reduces: the framework's dispatch of sharded weights (torch's
+    DTensor, some milliseconds a layer on CPU); ``measured_tensor_overhead`` finds it."""
 
     @property
     def hidden_bytes(self) -> int:
@@ -166,6 +173,18 @@ def pipeline_chunk(prompt: int, stages: int) -> int | None:
     return None if stages == 1 else math.ceil(prompt / (4 * stages))
 
 
+def measured_tensor_overhead(
+    costs: LayerCosts, split: Fit, collective: Link, devices: int, starts: Sequence[int]
+) -> float:
+    """The ``tensor_overhead`` that brings a layer's modelled decode time to ``split``'s: the
+    decode fit of one layer profiled split over ``devices`` by tensor parallelism (all ranks
+    at once, its all-reduces included); the median over ``starts`` (cached tokens) of the
+    difference, at least 0."""
+    plain = replace(costs, tensor_overhead=0.0)
+    gaps = [split.time(1, 1, s) - _tensor_layer(plain, collective, devices, 1, s) for s in starts]
+    return max(statistics.median(gaps), 0.0)
+
+
 def _simulated(
     strategy: Strategy,
     costs: LayerCosts,
@@ -224,6 +243,16 @@ def _attention_divided(fit: Fit, devices: int) -> Fit:
     return replace(fit, per_pair=fit.per_pair / devices, per_slot=fit.per_slot / devices)
 
 
+def _tensor_layer(
+    costs: LayerCosts, collective: Link, devices: int, length: int, start: int
+) -> float:
+    """One layer split over ``devices`` by tensor parallelism: its share of the work, its two
+    all-reduces and the framework's overhead."""
+    work = _divided(_fit(costs.block, length), devices).time(1, length, start)
+    reduce = _all_reduce(collective, length * costs.hidden_bytes, devices)
+    return work + 2 * reduce + costs.tensor_overhead
+
+
 def _exchange(link: Link, num_bytes: int, devices: int) -> float:
     """Every device sends ``num_bytes`` to every other, all messages in flight at once, each
     device's sends one after another."""
@@ -254,12 +283,11 @@ class _TensorCost:
     def compute(self, action: Action) -> float:
         item = self.items[action.microbatch]
         length, start, p = item.length, item.start, self.devices
-        fit = _fit(self.costs.block, length)
-        layer = _divided(fit, p).time(1, length, start)
+        layer = _tensor_layer(self.costs, self.collective, p, length, start)
         reduce = _all_reduce(self.collective, length * self.costs.hidden_bytes, p)
         head = _divided(_fit(self.costs.head, length), p).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
-        return embed + self.num_layers * (layer + 2 * reduce) + head + reduce
+        return embed + self.num_layers * layer + head + reduce
 
     def transfer(self, action: Action) -> float:
         return 0.0
