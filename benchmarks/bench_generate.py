@@ -444,7 +444,9 @@ def render_paper(
         "measured at up to 2048 positions and extrapolated linearly in tokens and query-key "
         "pairs; collectives are rings "
         "(2(P - 1) steps of latency + 1/P of the bytes); ring-attention transfers overlap the "
-        "attention; no position-table or memory limits; 16 decode tokens; prefill of the "
+        "attention; tensor parallelism without its framework's dispatch (tensor_overhead 0: "
+        "measured for torch's DTensor on this CPU in the section below); no position-table "
+        "or memory limits; 16 decode tokens; prefill of the "
         "pipeline in 4P chunks. A dash: the strategy cannot use that many devices "
         f"({PAPER_LAYERS} blocks, {costs.num_heads} heads). Figure: [parallelism.png]"
         "(parallelism.png) (prompt of 131072).",
