@@ -294,9 +294,8 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
         )
         + "(each mode's units profiled as its ranks run them: the unsplit model's and the "
         "pipeline's decode on one rank while the other waits, the rest on both ranks at once; "
-        "tp's split layer costs "
-        f"{costs['tp = 2'].tensor_overhead * 1e3:.1f} ms more than its half of the work and "
-        "its two all-reduces: torch's DTensor dispatch; "
+        f"tp's split layer costs {costs['tp = 2'].tensor_overhead * 1e3:.1f} ms more than the "
+        "planner's share of the work and its two all-reduces: torch's DTensor dispatch; "
         f"messages between work, measured {len(links)} times through the run and pooled: "
         f"point-to-point {link.latency * 1e6:.0f} us (each time {min(latencies):.0f}-"
         f"{max(latencies):.0f}) + "
@@ -351,10 +350,11 @@ def _costs_by_mode(
 # one rank while the other waits; cp and tp from units profiled on both ranks at once; the
 # pipeline's chunked prefill, in which both stages work at once, from the latter and its
 # decode, in which one rank works at a time, from the former. tp's layers are also profiled
-# split (both ranks, torch's parallelize_module): what they cost beyond their half of the work
+# split (both ranks, torch's parallelize_module): what they cost beyond their share of the work
 # and their two all-reduces is the framework's dispatch of sharded weights, the planner's
 # ``tensor_overhead``.
 def _layer_costs(fits: dict[str, StageFit]) -> LayerCosts:
+    """The planner's costs of the benchmark's model from its units' fits."""
     return LayerCosts(
         fits["embed"], fits["block"], fits["head"], hidden_size=256, num_heads=4,
         dtype_bytes=4, block_params=0, head_params=0,
