@@ -29,6 +29,19 @@ def replica_share(batch: list[int], num_replicas: int, replica: int) -> list[int
     return batch[start : start + size + (replica < rest)]
 
 
+def check_share(batch_size: int, num_replicas: int, replica: int) -> None:
+    """Refuse a global batch that replica ``replica`` of ``num_replicas`` cannot take an
+    equal share of."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= replica < num_replicas or batch_size % num_replicas:
+        raise ValueError(
+            f"replica {replica} of {num_replicas} cannot take an equal share of batches of "
+            f"{batch_size}; pass a global batch_size divisible by num_replicas and "
+            "0 <= replica < num_replicas (pipe.num_replicas, pipe.replica)"
+        )
+
+
 def _seed(purpose: str, *parts: int) -> int:
     """A 63-bit seed drawn from ``purpose`` and integers (a seed, an epoch, a sample ...)."""
     text = ":".join([purpose, *map(str, parts)])
@@ -70,14 +83,7 @@ class ResumableLoader:
         num_replicas: int = 1,
         replica: int = 0,
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not 0 <= replica < num_replicas or batch_size % num_replicas:
-            raise ValueError(
-                f"replica {replica} of {num_replicas} cannot take an equal share of batches of "
-                f"{batch_size}; pass a global batch_size divisible by num_replicas and "
-                "0 <= replica < num_replicas (pipe.num_replicas, pipe.replica)"
-            )
+        check_share(batch_size, num_replicas, replica)
         self.dataset = dataset
         self.num_samples = len(dataset)  # type: ignore[arg-type]  # map-style datasets have len
         self.batch_size = batch_size

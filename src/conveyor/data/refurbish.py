@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from conveyor.data.feeder import Feeder, FeederStats, PartialView, nbytes, seeded
-from conveyor.data.loader import _seed
+from conveyor.data.loader import _seed, check_share
 from conveyor.data.reuse import ReuseOrder, Use
 
 __all__ = ["Refurbish"]
@@ -346,14 +346,7 @@ def _check_counts(
     num_replicas: int,
     replica: int,
 ) -> None:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0 <= replica < num_replicas or batch_size % num_replicas:
-        raise ValueError(
-            f"replica {replica} of {num_replicas} cannot take an equal share of batches of "
-            f"{batch_size}; pass a global batch_size divisible by num_replicas and "
-            "0 <= replica < num_replicas (pipe.num_replicas, pipe.replica)"
-        )
+    check_share(batch_size, num_replicas, replica)
     if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
         raise ValueError(
             f"reuse must be an integer >= 1 (uses of each partially augmented sample), got "

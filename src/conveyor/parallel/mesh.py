@@ -170,6 +170,12 @@ def _check_names(mesh: DeviceMesh) -> list[str]:
             "the mesh has no dimension names; create it with named dimensions, e.g. "
             'init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))'
         )
+    if "cp" in names:
+        raise ValueError(
+            f"the mesh has dimensions {names}: context parallelism ('cp') serves generation, "
+            "training with it is not built; generate with conveyor.DecodePipeline(model, "
+            "mesh=mesh) on a ('pp', 'cp') mesh, and train on a mesh of 'pp' with 'dp' or 'tp'"
+        )
     unknown = [n for n in names if n not in MESH_DIMS]
     if unknown or "pp" not in names:
         raise ValueError(
