@@ -10,17 +10,18 @@ A Llama-style model (Hugging Face LlamaForCausalLM from a small config: 4 layers
 4k, 16k and 64k tokens. Every mode runs in the same two gloo processes (1 thread each),
 alternating mode by mode inside each round: the unsplit model on rank 0 (1 and 2 threads)
 while rank 1 waits, the pipeline (2 stages, the prompt prefilled in eight chunks as the
-planner plans it), cp = 2 (DecodePipeline(cp=2)) and tensor parallelism (torch's
+planner plans it), cp = 2 (DecodePipeline(cp=2): its decode exchanges through shared
+memory, and again with cp_exchange="group", as gloo messages) and tensor parallelism (torch's
 parallelize_module over the attention and MLP projections, both ranks running the
 generation). Time to first token and decode tokens/s come from ``DecodePipeline.stats``;
 medians over rounds, the spread (min-max) beside them. The prediction: each unit (embedding,
 one block, head) profiled at decode and prefill shapes with the static cache the modes use
 (prefill chunks both from an empty cache and after cached ones, which cost Hugging Face
 models more), on both ranks at once and on one alone (Note [profiled as the mode runs]), and
-tp's split block at decode, the point-to-point link between them and an all-reduce measured
-between work, as decode meets them (``measure_between_work``), in every round next to the
-modes and pooled over the rounds (Note [links sampled through the run]), and ``estimate`` run
-for each mode.
+tp's split block at decode; the point-to-point link between them, an all-reduce and the
+shared-memory exchange measured between work, as decode meets them
+(``measure_between_work``), in every round next to the modes and pooled over the rounds (Note
+[links sampled through the run]); and ``estimate`` run for each mode.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ from conveyor.planner.parallelism import (
 )
 from conveyor.simulator import Link
 
-MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "tp = 2")
+MODES = ("unsplit, 1 thread", "unsplit, 2 threads", "pipeline", "cp = 2", "cp = 2, gloo",
+         "tp = 2")  # fmt: skip
 STRATEGY = {"unsplit, 1 thread": ("pipeline", 1), "pipeline": ("pipeline", 2),
-            "cp = 2": ("context", 2), "tp = 2": ("tensor", 2)}  # fmt: skip
+            "cp = 2": ("context", 2), "cp = 2, gloo": ("context", 2),
+            "tp = 2": ("tensor", 2)}  # fmt: skip
 """The planner's strategy and device count that predicts each mode."""
+LINKS = ("exchange", "all_reduce", "shared")
+"""The links measured between work: messages, all-reduces, the shared-memory exchange."""
 
 
 def build(context: int) -> Any:
@@ -101,6 +106,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     plain = build(context)
     pipeline = DecodePipeline(build(context), timeout_s=3600)
     cp = DecodePipeline(build(context), cp=2, timeout_s=3600)
+    cp_gloo = DecodePipeline(build(context), cp=2, timeout_s=3600, cp_exchange="group")
     split = tensor_parallel(build(context))
     tp = DecodePipeline(split, local=True)
     links = [_links()]
@@ -109,6 +115,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         "unsplit, 2 threads": lambda ids: _alone(rank, plain, ids, args.new_tokens, 2),
         "pipeline": lambda ids: _run(pipeline, ids, args.new_tokens, cache="static", chunks=2),
         "cp = 2": lambda ids: _run(cp, ids, args.new_tokens),
+        "cp = 2, gloo": lambda ids: _run(cp_gloo, ids, args.new_tokens),
         "tp = 2": lambda ids: _run(tp, ids, args.new_tokens, cache="static"),
     }
     results: dict[Any, Any] = {"loads": [os.getloadavg()[0]]}
@@ -151,9 +158,9 @@ def _both(fits: dict[str, Any]) -> dict[str, Any]:
 # work measured 0.26 ms in one run and 0.4-2.5 ms in five runs on the same machine an hour
 # later. Calibrated once, the links describe one moment; calibrated after every round and
 # pooled (mean latency, mean seconds per byte), they describe the minutes the modes ran in.
-def _links() -> tuple[Link, Link]:
-    """The point-to-point link and the all-reduce, both measured between work."""
-    return measure_between_work("exchange"), measure_between_work("all_reduce")
+def _links() -> tuple[Link, ...]:
+    """Each of ``LINKS``, measured between work."""
+    return tuple(measure_between_work(kind) for kind in LINKS)  # type: ignore[arg-type]
 
 
 def _pooled(links: list[Link]) -> Link:
@@ -275,8 +282,8 @@ def main() -> None:
 
 def render(args: argparse.Namespace, results: dict[Any, Any], before: float, after: float) -> str:
     links = results["links"]
-    link, collective = (_pooled([pair[i] for pair in links]) for i in (0, 1))
-    latencies = [pair[0].latency * 1e6 for pair in links]
+    link, collective, shared = (_pooled([each[i] for each in links]) for i in range(3))
+    latencies = [each[0].latency * 1e6 for each in links]
     costs = _costs_by_mode(args, results, collective)
     lines = [
         "## One long request: pipeline, tensor and context parallelism, measured and predicted",
@@ -300,7 +307,8 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
         f"point-to-point {link.latency * 1e6:.0f} us (each time {min(latencies):.0f}-"
         f"{max(latencies):.0f}) + "
         f"{link.bandwidth / 1e9:.2f} GB/s; all-reduce {collective.latency * 1e6:.0f} us a step + "
-        f"{collective.bandwidth / 1e9:.2f} GB/s), "
+        f"{collective.bandwidth / 1e9:.2f} GB/s; cp's shared-memory exchange "
+        f"{shared.latency * 1e6:.0f} us + {shared.bandwidth / 1e9:.2f} GB/s), "
         "*err.* its error against the median.",
         "",
         "| prompt | mode | time to first token (s) | pred. | err. | decode tokens/s | pred. | "
@@ -314,7 +322,10 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if not rows[mode]:
                 continue
             ttft, decode = [t for t, _ in rows[mode]], [d for _, d in rows[mode]]
-            predicted = _predicted(mode, costs, (link, collective), prompt, args.new_tokens)
+            exchange = shared if mode == "cp = 2" else link
+            predicted = _predicted(
+                mode, costs, (link, collective, exchange), prompt, args.new_tokens
+            )
             lines.append(
                 f"| {prompt} | {mode} | {_spread(ttft)} | {_pred(predicted, 0)} | "
                 f"{_error(predicted, 0, ttft)} | {_spread(decode)} | {_pred(predicted, 1)} | "
@@ -339,6 +350,7 @@ def _costs_by_mode(
         "unsplit, 1 thread": _layer_costs(alone),
         "pipeline": _layer_costs(pipeline),
         "cp = 2": both,
+        "cp = 2, gloo": both,
         "tp = 2": replace(both, tensor_overhead=overhead),
     }
 
@@ -362,14 +374,18 @@ def _layer_costs(fits: dict[str, StageFit]) -> LayerCosts:
 
 
 def _predicted(
-    mode: str, costs: dict[str, LayerCosts], links: tuple[Any, Any], prompt: int, new_tokens: int
+    mode: str,
+    costs: dict[str, LayerCosts],
+    links: tuple[Link, Link, Link],
+    prompt: int,
+    new_tokens: int,
 ) -> tuple[float, float] | None:
     if mode not in STRATEGY:
         return None
     strategy, devices = STRATEGY[mode]
     found = estimate(
         strategy, costs[mode], 4, links[0], devices, prompt, new_tokens,  # type: ignore[arg-type]
-        collective=links[1],
+        collective=links[1], exchange=links[2],
     )  # fmt: skip
     return None if found is None else (found.time_to_first_token, found.decode_tokens_per_s)
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from conveyor.models import gpt
+from conveyor.parallel.shared_exchange import shared_memory_possible
 from conveyor.pipeline.decode import DecodePipeline, generate
 from dist import run_ranks
 
@@ -70,6 +71,8 @@ def _families(rank: int, world_size: int, cp: int) -> None:
     for family in CONTEXT_PARALLEL:
         model = hf(family)
         decoder = DecodePipeline(model, cp=cp)
+        shared = shared_memory_possible(torch.device("cpu"), ["one host"]) is None
+        assert decoder.cp_exchange == ("shared" if shared else "group")
         for lengths in ([1], [9, 4, 13], [17, 2]):
             ids, mask = padded(lengths, seed=len(lengths))
             want = model.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False)
@@ -97,8 +100,11 @@ def _budget_and_refusals(rank: int, world_size: int) -> None:
     handler.emit = records.append  # type: ignore[method-assign]
     logging.getLogger("conveyor.pipeline.decode").addHandler(handler)
     with mock.patch("conveyor.pipeline.decode.socket.gethostname", return_value=f"host{rank}"):
-        decoder = DecodePipeline(model, cp=2)
+        decoder = DecodePipeline(model, cp=2)  # two hosts: messages over the group
+        with pytest.raises(ValueError, match=r"cp_exchange='shared' .* several hosts"):
+            DecodePipeline(model, cp=2, cp_exchange="shared")
     assert any("spans hosts" in r.getMessage() for r in records)
+    assert decoder.cp_exchange == "group"
     want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     got = decoder.generate(ids, attention_mask=mask, max_new_tokens=8, memory_budget=budget)
     assert torch.equal(got, want)

@@ -25,6 +25,7 @@ from torch import nn
 from conveyor.inference.lm import CausalLM, Context, CpPlace
 from conveyor.parallel.context_parallel import (
     AttentionSpec,
+    Exchanger,
     KVShard,
     ring_attention,
     shard_attention,
@@ -106,6 +107,9 @@ class ContextParallelLM(CausalLM):
         self.context_length = inner.context_length
         self.dtype = inner.dtype
         self.heads, self.kv_heads, self.head_dim = inner.attention_heads()
+        self.exchanger: Exchanger | None = None
+        """How decode's partial attentions reach the other ranks (None: messages over the
+        group); set by DecodePipeline once it knows where the ranks run."""
         self._run_state: tuple[CpPlace, Context, Mapping[int, _Layer]] | None = None
         """The run in progress: where this rank's tokens sit, their context, the shards."""
 
@@ -163,7 +167,9 @@ class ContextParallelLM(CausalLM):
             )
         if place.decoding:
             index = torch.tensor([place.start], device=q.device)
-            return shard_attention(q, k, v, index, context.key_mask, entry.shard, spec, self.group)
+            return shard_attention(
+                q, k, v, index, context.key_mask, entry.shard, spec, self.group, self.exchanger
+            )
         out = ring_attention(q, k, v, place.shards, context.key_mask, spec, self.group)
         mine = torch.tensor(place.mine, device=k.device)
         entry.shard.append(k, v, mine)

@@ -13,7 +13,7 @@ partial results. See Note [merging attention over shards].
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +25,7 @@ from conveyor.torch_compat import attention_with_lse
 
 __all__ = [
     "AttentionSpec",
+    "Exchanger",
     "KVShard",
     "Partial",
     "cp_groups",
@@ -188,17 +189,22 @@ def merge(parts: Sequence[Partial]) -> Partial:
     return Partial(out, total)
 
 
-def _gather_merge(part: Partial, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Merge every cp rank's ``part`` of the same queries (one exchange)."""
+Exchanger = Callable[[torch.Tensor], list[torch.Tensor]]
+"""Gives every cp rank's tensor, in rank order (conveyor.parallel.shared_exchange)."""
+
+
+def _gather_merge(
+    part: Partial, group: dist.ProcessGroup | None, exchanger: Exchanger | None = None
+) -> torch.Tensor:
+    """Merge every cp rank's ``part`` of the same queries (one exchange: through
+    ``exchanger`` if given, else messages over ``group``)."""
     size = dist.get_world_size(group)
     if size == 1:
         return part.out
     packed = torch.cat([part.out.flatten(), part.lse.to(part.out.dtype).flatten()])
     split = part.out.numel()
-    parts = [
-        Partial(g[:split].view_as(part.out), g[split:].view_as(part.lse))
-        for g in exchange(packed, group)
-    ]
+    gathered = exchanger(packed) if exchanger is not None else exchange(packed, group)
+    parts = [Partial(g[:split].view_as(part.out), g[split:].view_as(part.lse)) for g in gathered]
     return merge(parts).out
 
 
@@ -276,10 +282,12 @@ def shard_attention(
     shard: KVShard,
     spec: AttentionSpec,
     group: dist.ProcessGroup | None,
+    exchanger: Exchanger | None = None,
 ) -> torch.Tensor:
     """Decode: the new tokens' attention over every rank's shard. Their keys and values join
     the shard of ``owner_of`` their position (all new tokens of a call share it); each rank
-    attends over its own shard and one exchange merges the parts.
+    attends over its own shard and one exchange merges the parts (through ``exchanger`` if
+    given, else messages over ``group``).
 
     ``index`` holds the new tokens' cache positions; ``key_real`` (rows, positions so far) is
     true at real (unpadded) tokens."""
@@ -288,7 +296,7 @@ def shard_attention(
         shard.append(k_new, v_new, index)
     keys, values, held = shard.held()
     allowed = visible(index, held, key_real[:, held], spec.window)
-    return _gather_merge(partial_attention(q, keys, values, spec, allowed), group)
+    return _gather_merge(partial_attention(q, keys, values, spec, allowed), group, exchanger)
 
 
 def ring_attention(

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from conveyor.graph import StageGraph, chain
 from conveyor.hf.decode import hf_causal_lm, is_hf_model
 from conveyor.inference.config import GenerationConfig, model_defaults
-from conveyor.inference.context import check_supported, context_parallel_lm
+from conveyor.inference.context import ContextParallelLM, check_supported, context_parallel_lm
 from conveyor.inference.gpt import GptLM, is_gpt
 from conveyor.inference.groups import GroupChoice
 from conveyor.inference.lm import CausalLM
@@ -46,6 +46,7 @@ from conveyor.inference.prompts import (
 from conveyor.inference.runtime import Batch, DecodeRuntime
 from conveyor.inference.schedule import decode_items, decode_program
 from conveyor.parallel.context_parallel import cp_groups
+from conveyor.parallel.shared_exchange import SharedExchange, shared_memory_possible
 from conveyor.pipeline.decode_groups import GroupChooser
 from conveyor.program import Program
 from conveyor.runtime.comm import P2P, Meta
@@ -57,6 +58,8 @@ from conveyor.trace import Recorder, Timeline, merge
 __all__ = ["DecodePipeline", "GenerationStats", "as_causal_lm", "generate"]
 
 logger = logging.getLogger(__name__)
+
+_EXCHANGES = ("auto", "shared", "group")
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class DecodePipeline:
         local: bool = False,
         cp: int = 1,
         mesh: DeviceMesh | None = None,
+        cp_exchange: str = "auto",
     ) -> None:
         """
         Args:
@@ -127,7 +131,16 @@ class DecodePipeline:
                 ranks that split every sequence's KV cache along its length (consecutive
                 ranks; the world is stages x cp). See conveyor.inference.context.
             mesh: a DeviceMesh with dimensions ('pp', 'cp') (or ('cp',)), instead of ``cp``.
+            cp_exchange: how a cp group's ranks exchange each layer's attention at decode:
+                "shared" (shared memory: CPU ranks of one x86-64 host), "group" (messages
+                over the process group) or "auto" (shared where possible). See
+                conveyor.parallel.shared_exchange.
         """
+        if cp_exchange not in _EXCHANGES:
+            raise ValueError(
+                f"cp_exchange must be one of {', '.join(map(repr, _EXCHANGES))}, got "
+                f"{cp_exchange!r}"
+            )
         self.lm = as_causal_lm(model)
         self.cp_group: dist.ProcessGroup | None = None
         """The ranks that serve this rank's stages with it (None without cp)."""
@@ -161,7 +174,9 @@ class DecodePipeline:
             else P2P(group, self.device, timedelta(seconds=timeout_s))
         )
         self._runtime = DecodeRuntime(self.lm, self.graph, self.units, self.rank, p2p, self.device)
-        self._check_link()
+        self.cp_exchange = self._cp_exchange(cp_exchange, timeout_s)
+        """How this rank's cp group exchanges at decode: "shared", "group" (None without
+        cp)."""
         self._chooser = (
             None
             if p2p is None or self.cp_group is not None
@@ -217,10 +232,11 @@ class DecodePipeline:
         self.lm = context_parallel_lm(self.lm, self.cp_group)
         return pipeline
 
-    def _check_link(self) -> None:
-        """Warn when a cp group spans machines: every layer of every token waits for it."""
+    def _cp_exchange(self, choice: str, timeout_s: float) -> str | None:
+        """Choose how the cp group exchanges at decode (collective over it), and warn when it
+        spans hosts: every layer of every token waits for the exchange."""
         if self.cp_group is None:
-            return
+            return None
         hosts: list[Any] = [None] * self.cp_size
         dist.all_gather_object(hosts, socket.gethostname(), group=self.cp_group)
         if len(set(hosts)) > 1:
@@ -232,6 +248,17 @@ class DecodePipeline:
                 dist.get_rank(),
                 sorted(set(hosts)),
             )
+        why_not = shared_memory_possible(self.device, hosts)
+        if choice == "shared" and why_not is not None:
+            raise ValueError(
+                f"cp_exchange='shared' needs the cp group in one host's memory, but {why_not}; "
+                "pass cp_exchange='group' (or 'auto')"
+            )
+        if choice == "group" or why_not is not None:
+            return "group"
+        assert isinstance(self.lm, ContextParallelLM)
+        self.lm.exchanger = SharedExchange(self.cp_group, timedelta(seconds=timeout_s))
+        return "shared"
 
     @classmethod
     def from_split(

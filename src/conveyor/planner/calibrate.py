@@ -22,6 +22,7 @@ from torch import nn
 
 from conveyor.config import PipelineConfig
 from conveyor.parallel.context_parallel import exchange
+from conveyor.parallel.shared_exchange import SharedExchange
 from conveyor.pipeline import Pipeline
 from conveyor.planner.budget import passed
 from conveyor.planner.cost import ProfileCost, layout, predict
@@ -213,7 +214,7 @@ def measure_allreduce(
 
 
 def measure_between_work(
-    kind: Literal["all_reduce", "exchange"],
+    kind: Literal["all_reduce", "exchange", "shared"],
     group: dist.ProcessGroup | None = None,
     sizes: tuple[int, int] = (1 << 10, 1 << 22),
     work_s: float = 2e-3,
@@ -226,13 +227,15 @@ def measure_between_work(
     Each rank runs ``work_s`` seconds of matrix products before every message: an
     ``all_reduce`` (2 steps of half the bytes on two ranks: time = 2 x latency + bytes /
     bandwidth) or an ``exchange`` (each rank sends its buffer to the other and receives the
-    other's: time = latency + bytes / bandwidth). The line runs through the mean times, over
-    ``repeats`` and both ranks, of a small and a large message: a least-squares line through
-    more sizes lets the large ones' spread set the latency. Collective over ``group``
-    (exactly two ranks).
+    other's: time = latency + bytes / bandwidth), through messages or, ``shared``, through
+    shared memory (conveyor.parallel.shared_exchange, as cp decode on one host). The line
+    runs through the mean times, over ``repeats`` and both ranks, of a small and a large
+    message: a least-squares line through more sizes lets the large ones' spread set the
+    latency. Collective over ``group`` (exactly two ranks).
     """
     _need_two(group)
     work = _work_of(work_s)
+    shared = SharedExchange(group, timedelta(seconds=60)) if kind == "shared" else None
     means = []
     for size in sizes:
         buffer = torch.ones(size // 4)
@@ -243,6 +246,8 @@ def measure_between_work(
             start = time.perf_counter()
             if kind == "all_reduce":
                 dist.all_reduce(buffer, group=group)
+            elif shared is not None:
+                shared(buffer)
             else:
                 exchange(buffer, group)
             samples.append(time.perf_counter() - start)

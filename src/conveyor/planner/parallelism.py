@@ -20,7 +20,8 @@ decode Program.
   cache sharded along the sequence: every device runs the new token's projections and MLP
   (weights replicated), attends over its shard, and the partial results are combined after
   each device sends its partial output (about one hidden vector) to every other device, once
-  a layer, as conveyor.inference.context runs it.
+  a layer, as conveyor.inference.context runs it (as messages, or through shared memory where
+  the group is on one host: ``estimate``'s ``exchange`` link).
 - **pipeline x context**: the layers in P/2 stages, each served by a cp group of 2 devices
   (DecodePipeline(cp=2) on P ranks), each stage's work divided as context parallelism
   divides it.
@@ -29,8 +30,9 @@ Compute that a strategy splits is divided by P with its fixed per-call cost kept
 caches take 2 x layers x positions x hidden values in all of them, divided by P (TP while
 P <= heads). Weights: PP and TP hold 1/P of them, CP all of them, PP x CP 2/P. Each device
 is taken to have memory bandwidth of its own, as GPUs do; CPU ranks that share one memory bus
-share its speed too (on 2 cores, a cp rank's decode attention over half the cache took about
-as long as one rank's over all of it, docs/long-context.md), which this model does not see.
+share its speed too, which this model does not see (on 2 cores, two ranks read their halves of
+a long cache 1.3-1.9 times as fast as one rank reads all of it, not twice: benchmarks.md,
+"Reading the KV cache at decode").
 """
 
 from __future__ import annotations
@@ -111,12 +113,15 @@ def estimate(
     new_tokens: int = 16,
     *,
     collective: Link | None = None,
+    exchange: Link | None = None,
 ) -> Estimate | None:
     """``strategy``'s estimate, or None where it does not apply (TP beyond one device per
     head, PP beyond one device per layer). ``link`` carries point-to-point messages (the
     pipeline's, the ring's, CP's decode exchanges); ``collective``, TP's all-reduces
-    (``conveyor.planner.calibrate.measure_allreduce``; default ``link``). For decode, measure
-    both between work (``conveyor.planner.calibrate.measure_between_work``)."""
+    (``conveyor.planner.calibrate.measure_allreduce``; default ``link``); ``exchange``, CP's
+    decode exchanges where they do not travel as messages (default ``link``; a cp group on one
+    host exchanges through shared memory: ``measure_between_work("shared")``). For decode,
+    measure them between work (``conveyor.planner.calibrate.measure_between_work``)."""
     staged = strategy == "pipeline x context"
     if (
         (strategy == "tensor" and devices > costs.num_heads)
@@ -124,7 +129,7 @@ def estimate(
         or (staged and (devices < 4 or devices % 2 or devices > 2 * num_layers))
     ):
         return None
-    links = (link, collective or link)
+    links = (link, collective or link, exchange or link)
     first = _simulated(strategy, costs, num_layers, links, devices, prompt, 1)
     total = _simulated(strategy, costs, num_layers, links, devices, prompt, new_tokens)
     kv = 2 * num_layers * (prompt + new_tokens) * costs.hidden_bytes / devices
@@ -150,16 +155,17 @@ def compare(
     new_tokens: int = 16,
     *,
     collective: Link | None = None,
+    exchange: Link | None = None,
 ) -> list[Estimate]:
-    """Every strategy that applies, for every device count and prompt length (``link`` and
-    ``collective`` as ``estimate`` takes them)."""
+    """Every strategy that applies, for every device count and prompt length (``link``,
+    ``collective`` and ``exchange`` as ``estimate`` takes them)."""
     found = []
     for prompt in prompts:
         for count in devices:
             for strategy in STRATEGIES:
                 result = estimate(
                     strategy, costs, num_layers, link, count, prompt, new_tokens,
-                    collective=collective,
+                    collective=collective, exchange=exchange,
                 )  # fmt: skip
                 if result is not None:
                     found.append(result)
@@ -189,13 +195,13 @@ def _simulated(
     strategy: Strategy,
     costs: LayerCosts,
     num_layers: int,
-    links: tuple[Link, Link],
+    links: tuple[Link, Link, Link],
     devices: int,
     prompt: int,
     new_tokens: int,
 ) -> float:
     """Seconds for ``strategy`` to prefill ``prompt`` tokens and generate ``new_tokens``, over
-    ``links`` (point-to-point, collective)."""
+    ``links`` (point-to-point, collective, cp's decode exchange)."""
     link = links[0]
     if strategy in ("pipeline", "pipeline x context"):
         cp = 2 if strategy == "pipeline x context" else 1
@@ -204,7 +210,7 @@ def _simulated(
         chunk = None if cp > 1 else pipeline_chunk(prompt, stages)  # cp splits the prompt
         items = decode_items(1, prompt, new_tokens, chunk)
         layers = [len(range(s, num_layers, stages)) for s in range(stages)]
-        fits = [_context_fit(costs.block, link, costs, cp) * n for n in layers]
+        fits = [_context_fit(costs.block, links[2], costs, cp) * n for n in layers]
         fits[0] = fits[0] + costs.embed
         fits[-1] = fits[-1] + costs.head
         cost = DecodeCost(
@@ -267,17 +273,18 @@ def _all_reduce(link: Link, num_bytes: float, devices: int) -> float:
 
 class _TensorCost:
     """Each item on P devices with every layer split (see the module docstring), over
-    ``links`` (point-to-point, collective)."""
+    ``links`` (point-to-point, collective, cp's decode exchange)."""
 
     def __init__(
         self,
         costs: LayerCosts,
         num_layers: int,
-        links: tuple[Link, Link],
+        links: tuple[Link, Link, Link],
         devices: int,
         items: Sequence[Item],
     ) -> None:
-        self.costs, self.num_layers, (self.link, self.collective) = costs, num_layers, links
+        self.costs, self.num_layers = costs, num_layers
+        self.link, self.collective, self.exchange = links
         self.devices, self.items = devices, items
 
     def compute(self, action: Action) -> float:
@@ -309,7 +316,7 @@ class _ContextCost(_TensorCost):
             head = _fit(self.costs.head, length).time(1, length, start)
         else:  # decode: the token everywhere, its attention over a P-th of the cache each
             local = _attention_divided(fit, p).time(1, length, start)
-            layer = local + _exchange(self.link, self.costs.hidden_bytes, p)
+            layer = local + _exchange(self.exchange, self.costs.hidden_bytes, p)
             head = _fit(self.costs.head, length).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
         return embed + self.num_layers * layer + head
