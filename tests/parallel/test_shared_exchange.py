@@ -35,6 +35,10 @@ def _equal_to_messages(rank: int, world_size: int) -> None:
         assert len(got) == world_size
         for found, expected in zip(got, want, strict=True):
             assert found.dtype == dtype and torch.equal(found, expected), step
+    unaligned = SharedExchange(None, timedelta(seconds=20), nbytes=1001)
+    odd = torch.randint(0, 255, (3001,), dtype=torch.uint8, generator=generator)
+    for found, expected in zip(unaligned(odd), exchange(odd, None), strict=True):
+        assert torch.equal(found, expected)  # sizes of no alignment, before and after growth
     assert shared.slot_bytes >= 2 * 3 * 60 * 8
     if os.path.isdir("/dev/shm"):  # each file was unlinked once mapped
         assert not any(name.startswith("conveyor-cp-") for name in os.listdir("/dev/shm"))

@@ -215,6 +215,7 @@ def _gather_merge(
 # computing ranks on gloo (2 CPU ranks, 1 KB after 2 ms of work: mean 0.6-0.7 ms against
 # 1.2-1.4 ms), whose collectives pass through a worker thread of the process group. A batch
 # (``batch_isend_irecv``) also keeps NCCL from blocking on a send whose receive is not posted.
+# CPU ranks of one host skip messages altogether: conveyor.parallel.shared_exchange.
 def exchange(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank of ``group``'s ``tensor`` (same shape everywhere), in rank order; See Note
     [exchanging, not all-gathering]."""

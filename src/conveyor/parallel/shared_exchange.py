@@ -68,23 +68,24 @@ class SharedExchange:
     def _map(self, slot_bytes: int) -> None:
         """Map a new file of ``slot_bytes`` per slot, made by the group's first rank and
         unlinked once every rank has mapped it (collective)."""
-        self.slot_bytes = slot_bytes
+        self.slot_bytes = slot_bytes = -(-slot_bytes // 64) * 64  # rows stay 8-byte aligned
         stride = _HEADER + _SLOTS * slot_bytes
-        path = [None]
+        path: list[str | None] = [None]
         if self.rank == 0:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            handle, name = tempfile.mkstemp(prefix="conveyor-cp-", dir=folder)
+            handle, path[0] = tempfile.mkstemp(prefix="conveyor-cp-", dir=folder)
             os.ftruncate(handle, stride * self.size)
             os.close(handle)
-            path = [name]  # type: ignore[list-item]
-        dist.broadcast_object_list(path, dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)  # fmt: skip
-        memory = torch.from_file(
-            str(path[0]), shared=True, size=stride * self.size, dtype=torch.uint8
-        )
-        dist.barrier(group=self.group)
-        if self.rank == 0:
-            os.unlink(str(path[0]))  # the mappings stay; nothing is left behind on any exit
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(path, source, group=self.group)
+        try:
+            memory = torch.from_file(
+                str(path[0]), shared=True, size=stride * self.size, dtype=torch.uint8
+            )
+            dist.barrier(group=self.group)
+        finally:  # the mappings stay; nothing is left behind, whatever happens
+            if self.rank == 0:
+                os.unlink(str(path[0]))
         self.memory = memory  # keeps the mapping
         rows = memory.view(self.size, stride)
         self.header: np.ndarray = rows[:, :_HEADER].view(torch.int64).numpy()

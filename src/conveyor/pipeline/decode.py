@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,7 @@ class DecodePipeline:
         local: bool = False,
         cp: int = 1,
         mesh: DeviceMesh | None = None,
-        cp_exchange: str = "auto",
+        cp_exchange: Literal["auto", "shared", "group"] = "auto",
     ) -> None:
         """
         Args:
