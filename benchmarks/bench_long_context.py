@@ -317,9 +317,9 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
     ]
     for prompt in args.prompts:
         rows = results[prompt]
-        base = {m: _median([d for _, d in rows[m]]) for m in MODES if rows[m]}
+        base = {m: _median([d for _, d in rows[m]]) for m in MODES if rows.get(m)}
         for mode in MODES:
-            if not rows[mode]:
+            if not rows.get(mode):  # older --save runs lack newer modes
                 continue
             ttft, decode = [t for t, _ in rows[mode]], [d for _, d in rows[mode]]
             exchange = shared if mode == "cp = 2" else link
