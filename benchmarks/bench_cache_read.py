@@ -22,17 +22,15 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import publishable, write_section
+from report import publishable, two_ranks, write_section
 
 from conveyor.parallel.context_parallel import AttentionSpec, partial_attention
 
@@ -126,10 +124,7 @@ def main() -> None:
         args.lengths, args.rounds, args.tokens, args.no_write = [1024, 4096], 1, 4, True
     loads = [os.getloadavg()[0]]
     print(f"load average before: {loads[0]:.2f}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
-        results = torch.load(out, weights_only=False)
+    results = two_ranks(worker, args)
     loads.append(os.getloadavg()[0])
     text = render(args, results, loads)
     print(text)

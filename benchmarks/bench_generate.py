@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,10 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import DOC, publishable, write_section
+from report import DOC, publishable, two_ranks, write_section
 
 from conveyor.graph import chain
 from conveyor.inference import decode_program
@@ -264,10 +262,7 @@ def main() -> None:
         parser.error("--paper-only and --skip-paper leave nothing to do; pass one of them")
     loads = [os.getloadavg()[0]]
     print(f"load average before: {loads[0]:.2f}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
-        results = torch.load(out, weights_only=False)
+    results = two_ranks(worker, args)
     loads.append(os.getloadavg()[0])
     results["loads"] = loads
     text = None if args.paper_only else render(args, results)

@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -38,10 +37,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import write_section
+from report import two_ranks, write_section
 
 from conveyor.inference.config import GenerationConfig
 from conveyor.inference.cost import StageFit, profile_stage
@@ -259,10 +257,7 @@ def main() -> None:
         args.prompts, args.rounds = earlier["prompts"], earlier["rounds"]
     before = os.getloadavg()[0]
     print(f"load average before: {before:.2f}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
-        results = torch.load(out, weights_only=False)
+    results = two_ranks(worker, args)
     after = os.getloadavg()[0]
     if earlier is not None:
         results.update({p: earlier[p] for p in args.prompts})

@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,11 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import write_section
+from report import two_ranks, write_section
 
 import conveyor
 from conveyor.models import gpt, gpt_loss, text_batches
@@ -123,10 +121,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     started, load = time.perf_counter(), os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "samples.pt")
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
-        samples: dict[str, Any] = torch.load(out)
+    samples: dict[str, Any] = two_ranks(worker, args)
     median = {k: statistics.median(v) for k, v in samples.items()}
     added = median["step"] - median["alone"]
     ddp_added = median["sync"] - median["nosync"]

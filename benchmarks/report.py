@@ -5,15 +5,29 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["OWN", "QUIET", "bootstrap_interval", "publishable", "write_section"]
+__all__ = ["OWN", "QUIET", "bootstrap_interval", "publishable", "two_ranks", "write_section"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = (
     "# Benchmarks\n\nEvery figure below was produced by the command shown in its section, "
     "on the machine named there; ratios are measured side by side in one run, medians.\n"
 )
+
+
+def two_ranks(worker: Callable[..., None], args: Any) -> Any:
+    """Run ``worker(rank, args, store, out)`` on two spawned ranks; what rank 0 saved to ``out``
+    (a file store and the output in a temporary directory, gone afterwards)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        mp.spawn(worker, args=(args, os.path.join(tmp, "store"), out), nprocs=2)
+        return torch.load(out, weights_only=False)
 
 
 def write_section(name: str, markdown: str) -> None:
