@@ -14,14 +14,15 @@ planner plans it), cp = 2 (DecodePipeline(cp=2): its decode exchanges through sh
 memory, and again with cp_exchange="group", as gloo messages) and tensor parallelism (torch's
 parallelize_module over the attention and MLP projections, both ranks running the
 generation). Time to first token and decode tokens/s come from ``DecodePipeline.stats``;
-medians over rounds, the spread (min-max) beside them. The prediction: each unit (embedding,
-one block, head) profiled at decode and prefill shapes with the static cache the modes use
-(prefill chunks both from an empty cache and after cached ones, which cost Hugging Face
-models more), on both ranks at once and on one alone (Note [profiled as the mode runs]), and
-tp's split block at decode; the point-to-point link between them, an all-reduce and the
-shared-memory exchange measured between work, as decode meets them
-(``measure_between_work``), in every round next to the modes and pooled over the rounds (Note
-[links sampled through the run]); and ``estimate`` run for each mode.
+medians over rounds, the spread (min-max) beside them. The prediction: right after each
+prompt's rounds, each unit (embedding, one block, head) profiled at decode and prefill shapes
+with the static cache the modes use (prefill chunks both from an empty cache and after cached
+ones, which cost Hugging Face models more), on both ranks at once and on one alone (Note
+[profiled as the mode runs]), and tp's split block and cp's block (with each of its exchanges)
+at decode; the point-to-point link between them, an all-reduce and the shared-memory exchange
+measured between work, as decode meets them (``measure_between_work``), in every round next to
+the modes and pooled over the rounds (Note [links sampled through the run]); and ``estimate``
+run for each mode.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from conveyor.planner.calibrate import measure_between_work
 from conveyor.planner.parallelism import (
     LayerCosts,
     estimate,
-    measured_tensor_overhead,
+    measured_overhead,
     pipeline_chunk,
 )
 from conveyor.simulator import Link
@@ -116,11 +117,11 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         "cp = 2, gloo": lambda ids: _run(cp_gloo, ids, args.new_tokens),
         "tp = 2": lambda ids: _run(tp, ids, args.new_tokens, cache="static"),
     }
-    results: dict[Any, Any] = {"loads": [os.getloadavg()[0]]}
-    for prompt in [] if args.measured else args.prompts:
+    results: dict[Any, Any] = {"loads": [os.getloadavg()[0]], "profiles": {}}
+    for prompt in args.prompts:
         ids = torch.randint(1, 1024, (1, prompt), generator=torch.Generator().manual_seed(prompt))
         measured: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-        for round_index in range(args.rounds):
+        for round_index in range(0 if args.measured else args.rounds):
             order = MODES if round_index % 2 == 0 else MODES[::-1]  # alternate the order
             for mode in order:
                 dist.barrier()
@@ -132,15 +133,27 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, measured)
         results[prompt] = {m: gathered[0][m] or gathered[1][m] for m in MODES}
+        split_lms = {"tp = 2": split, "cp = 2": cp.lm, "cp = 2, gloo": cp_gloo.lm}
+        results["profiles"][prompt] = _profiles(rank, args, plain, split_lms)
     results["loads"].append(os.getloadavg()[0])
     results["links"] = links
-    results["fits"] = _both(_profile(plain, args))
-    results["tensor"] = _both(_profile(split, args, units=("block",), decode_only=True))["block"]
-    results["fits_alone"] = _profile(plain, args) if rank == 0 else None
     dist.barrier()
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def _profiles(
+    rank: int, args: argparse.Namespace, plain: Any, split: dict[str, Any]
+) -> dict[str, Any]:
+    """The units' fits a prompt's modes are predicted from, profiled right after its rounds
+    (Note [profiled as the mode runs]): on both ranks at once, on rank 0 alone, and the block
+    of each mode that splits it (at decode)."""
+    found = {"both": _both(_profile(plain, args))}
+    for mode, lm in split.items():
+        found[mode] = _both(_profile(lm, args, units=("block",), decode_only=True))["block"]
+    found["alone"] = _profile(plain, args) if rank == 0 else None
+    return found
 
 
 def _both(fits: dict[str, Any]) -> dict[str, Any]:
@@ -205,12 +218,12 @@ def _profile(
     decode_only: bool = False,
 ) -> dict[str, Any]:
     """``units``' fits (of the embedding, one block, the head), with the static cache the
-    modes run with; decode measured after prompts up to a quarter of the longest (``_starts``),
-    prefill chunks up to 8k from an empty cache and the two chunks after one, all
-    extrapolated linearly in tokens and query-key pairs."""
+    modes run with; decode (16 steps) measured after prompts up to a quarter of the longest
+    (``_starts``), prefill chunks of 512 to 8k tokens from an empty cache and the two chunks
+    after one, all extrapolated linearly in tokens and query-key pairs."""
     lm = as_causal_lm(model)
     longest = max(args.prompts)
-    chunks = [] if decode_only else sorted({min(longest // 4, c) for c in (512, 2048, 8192)})
+    chunks = [] if decode_only else sorted({min(longest // 4, c) for c in (512, 2048, 4096, 8192)})
     last = lm.num_units - 1
     where = {"embed": range(0, 1), "block": range(1, 2), "head": range(last, last + 1)}
     config = GenerationConfig(cache="static")
@@ -223,7 +236,7 @@ def _profile(
             chunks=chunks,
             resumed=0 if decode_only else 2,
             config=config,
-            steps=4,
+            steps=16,
             repeats=2,
         )
         for name in units
@@ -279,7 +292,13 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
     links = results["links"]
     link, collective, shared = (_pooled([each[i] for each in links]) for i in range(3))
     latencies = [each[0].latency * 1e6 for each in links]
-    costs = _costs_by_mode(args, results, collective)
+    profiles = results["profiles"]
+    costs = {p: _costs_by_mode(args, profiles[p], (link, collective, shared)) for p in profiles}
+
+    def overheads(mode: str, field: str) -> str:
+        values = [getattr(c[mode], field) * 1e3 for c in costs.values()]
+        return f"{min(values):.2f}-{max(values):.2f} ms"
+
     lines = [
         "## One long request: pipeline, tensor and context parallelism, measured and predicted",
         "",
@@ -294,10 +313,15 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if args.measured
             else "in the same run "
         )
-        + "(each mode's units profiled as its ranks run them: the unsplit model's and the "
-        "pipeline's decode on one rank while the other waits, the rest on both ranks at once; "
-        f"tp's split layer costs {costs['tp = 2'].tensor_overhead * 1e3:.1f} ms more than the "
-        "planner's share of the work and its two all-reduces: torch's DTensor dispatch; "
+        + "right after each prompt's rounds (each mode's units profiled as its ranks run them: "
+        "the unsplit model's and the pipeline's decode on one rank while the other waits, the "
+        "rest on both ranks at once; tp's split layer costs "
+        f"{overheads('tp = 2', 'tensor_overhead')} more than the planner's share of the work "
+        "and its two all-reduces: torch's DTensor dispatch; a cp layer "
+        f"{overheads('cp = 2', 'context_overhead')} (shared memory) and "
+        f"{overheads('cp = 2, gloo', 'context_overhead')} (gloo) more than its share of the "
+        "attention and its exchange: the shard's mask, packing and merging the partial "
+        "results, and over gloo what its collective costs beyond one message; "
         f"messages between work, measured {len(links)} times through the run and pooled: "
         f"point-to-point {link.latency * 1e6:.0f} us (each time {min(latencies):.0f}-"
         f"{max(latencies):.0f}) + "
@@ -319,7 +343,7 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             ttft, decode = [t for t, _ in rows[mode]], [d for _, d in rows[mode]]
             exchange = shared if mode == "cp = 2" else link
             predicted = _predicted(
-                mode, costs, (link, collective, exchange), prompt, args.new_tokens
+                mode, costs[prompt], (link, collective, exchange), prompt, args.new_tokens
             )
             lines.append(
                 f"| {prompt} | {mode} | {_spread(ttft)} | {_pred(predicted, 0)} | "
@@ -331,35 +355,40 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
 
 
 def _costs_by_mode(
-    args: argparse.Namespace, results: dict[Any, Any], collective: Link
+    args: argparse.Namespace, profile: dict[str, Any], links: tuple[Link, Link, Link]
 ) -> dict[str, LayerCosts]:
     """The costs each mode is predicted from: profiled as its ranks run (Note [profiled as
     the mode runs])."""
-    together, alone = results["fits"], results["fits_alone"]
+    together, alone = profile["both"], profile["alone"]
     pipeline = {k: StageFit(alone[k].decode, v.prefill, v.resumed) for k, v in together.items()}
-    both = _layer_costs(together)
-    overhead = measured_tensor_overhead(
-        both, results["tensor"].decode, collective, 2, _starts(args)
-    )
+    both, starts = _layer_costs(together), _starts(args)
+    tensor = measured_overhead("tensor", both, profile["tp = 2"].decode, links[1], 2, starts)
+    context = {
+        mode: measured_overhead("context", both, profile[mode].decode, link, 2, starts)
+        for mode, link in (("cp = 2", links[2]), ("cp = 2, gloo", links[0]))
+    }
     return {
         "unsplit, 1 thread": _layer_costs(alone),
         "pipeline": _layer_costs(pipeline),
-        "cp = 2": both,
-        "cp = 2, gloo": both,
-        "tp = 2": replace(both, tensor_overhead=overhead),
+        **{mode: replace(both, context_overhead=c) for mode, c in context.items()},
+        "tp = 2": replace(both, tensor_overhead=tensor),
     }
 
 
 # Note [profiled as the mode runs]:
-# On 2 CPU cores the two ranks share one memory bus, so a unit costs more while the other rank
-# works too: decode over a long cache most, as it reads the cache at the bus's speed. Each
-# mode is predicted from the costs its ranks meet: the unsplit model from units profiled on
-# one rank while the other waits; cp and tp from units profiled on both ranks at once; the
-# pipeline's chunked prefill, in which both stages work at once, from the latter and its
-# decode, in which one rank works at a time, from the former. tp's layers are also profiled
-# split (both ranks, torch's parallelize_module): what they cost beyond their share of the work
-# and their two all-reduces is the framework's dispatch of sharded weights, the planner's
-# ``tensor_overhead``.
+# The machine's speed drifts by 10-30% from minute to minute, so each prompt's modes are
+# predicted from units profiled right after its rounds, not once for the whole run. On 2 CPU
+# cores the two ranks share one memory bus, so a unit costs more while the other rank works too:
+# decode over a long cache most, as it reads the cache at the bus's speed. Each mode is
+# predicted from the costs its ranks meet: the unsplit model from units profiled on one rank
+# while the other waits; cp and tp from units profiled on both ranks at once; the pipeline's
+# chunked prefill, in which both stages work at once, from the latter and its decode, in which
+# one rank works at a time, from the former. tp's layers are also profiled split (both ranks,
+# torch's parallelize_module): what they cost beyond their share of the work and their two
+# all-reduces is the framework's dispatch of sharded weights, the planner's ``tensor_overhead``.
+# cp's layers are profiled at decode as its group runs them, with each of its exchanges: what
+# they cost beyond their half of the attention and one exchange is the planner's
+# ``context_overhead``.
 def _layer_costs(fits: dict[str, StageFit]) -> LayerCosts:
     """The planner's costs of the benchmark's model from its units' fits."""
     return LayerCosts(

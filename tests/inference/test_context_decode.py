@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from conveyor.inference.config import GenerationConfig
 from conveyor.models import gpt
 from conveyor.parallel.shared_exchange import shared_memory_possible
 from conveyor.pipeline.decode import DecodePipeline, generate
@@ -191,3 +192,32 @@ def _logits(rank: int, world_size: int) -> None:
 
 def test_prefill_and_decode_logits_equal_the_unsplit_models_in_float64(tmp_path: Path) -> None:
     run_ranks(_logits, tmp_path, 3, timeout_s=300)
+
+
+def _profiled(rank: int, world_size: int) -> None:
+    from conveyor.inference import cost
+    from conveyor.inference.lm import CpPlace
+    from conveyor.parallel.context_parallel import owner_of, zigzag
+
+    lm = DecodePipeline(hf("llama", layers=2), cp=world_size).lm
+    block = range(1, 2)
+    fit = cost.profile_stage(lm, block, [1], [16, 48], [24, 40], steps=2, repeats=1)
+    for part in (fit.decode, fit.prefill):
+        assert part.fixed >= 0 and part.per_token >= 0 and part.per_pair >= 0
+        assert part.time(1, 1, 64) > 0
+    with pytest.raises(ValueError, match="resumed=0"):
+        cost.profile_stage(lm, block, [1], [16], [24], resumed=2)
+    # the runner puts each rank's zigzag chunks, then the new tokens it owns, in its shard
+    runner = cost._Runner(lm, block, 1, 24, GenerationConfig(), torch.device("cpu"))
+    with torch.no_grad():
+        runner.step(19)
+        for _ in range(4):
+            runner.step(1)
+    shards = tuple(tuple(r) for r in zigzag(19, world_size))
+    owned = [t for t in range(19, 23) if owner_of(t, world_size) == rank]
+    held = runner.cache[0].shard.held()[2]
+    assert held.tolist() == CpPlace(rank, shards, False, 0).mine + owned
+
+
+def test_a_cp_groups_layers_are_profiled_as_the_group_runs_them(tmp_path: Path) -> None:
+    run_ranks(_profiled, tmp_path, 2, timeout_s=200)

@@ -14,7 +14,7 @@ from conveyor.planner.parallelism import (
     LayerCosts,
     compare,
     estimate,
-    measured_tensor_overhead,
+    measured_overhead,
     pipeline_chunk,
 )
 from conveyor.program import Action, Kind, Program
@@ -271,7 +271,7 @@ def test_tensor_overhead_costs_every_split_layer_and_is_recovered_from_a_split_p
     # the attention, two all-reduces of 2 steps (64 float32 each) and 3 ms of dispatch
     reduce = 2 * (1e-4 + 64 * 4 / 2 / 1e9)
     split = Fit(1e-3 + 2 * reduce + 3e-3, 0.0, 0.5e-8)
-    overhead = measured_tensor_overhead(costs, split, link, 2, [256, 1024, 4096])
+    overhead = measured_overhead("tensor", costs, split, link, 2, [256, 1024, 4096])
     assert overhead == pytest.approx(3e-3)
     dearer = dataclasses.replace(costs, tensor_overhead=overhead)
 
@@ -284,4 +284,31 @@ def test_tensor_overhead_costs_every_split_layer_and_is_recovered_from_a_split_p
     for strategy in ("pipeline", "context"):  # nothing is split by tensor parallelism there
         assert per_token(strategy, dearer) == pytest.approx(per_token(strategy, costs))
     faster = Fit(1e-3, 0.0, 0.5e-8)  # a split layer faster than the model: no negative cost
-    assert measured_tensor_overhead(costs, faster, link, 2, [256]) == 0.0
+    assert measured_overhead("tensor", costs, faster, link, 2, [256]) == 0.0
+
+
+def test_context_overhead_costs_every_cp_layer_at_decode_and_is_recovered_from_a_profile() -> None:
+    block = StageFit(decode=Fit(1e-3, 0.0, 1e-8), prefill=Fit(1e-4, 1e-5, 1e-8))
+    tiny = StageFit(decode=Fit(1e-5, 0.0, 0.0), prefill=Fit(1e-5, 0.0, 0.0))
+    costs = LayerCosts(tiny, block, tiny, 64, 4, 4, block_params=0, head_params=0)
+    link = Link(latency=1e-4, bandwidth=1e9)
+    # one layer at cp = 2, as a profile would find it: the whole fixed cost, half the
+    # attention, one exchange of a hidden vector (64 float32) and 0.4 ms of masking and merging
+    split = Fit(1e-3 + (1e-4 + 64 * 4 / 1e9) + 4e-4, 0.0, 0.5e-8)
+    overhead = measured_overhead("context", costs, split, link, 2, [256, 1024, 4096])
+    assert overhead == pytest.approx(4e-4)
+    dearer = dataclasses.replace(costs, context_overhead=overhead)
+
+    def run(strategy: str, layer_costs: LayerCosts, devices: int = 2) -> tuple[float, float]:
+        found = estimate(strategy, layer_costs, 8, link, devices, 1024, 9)  # type: ignore[arg-type]
+        assert found is not None
+        return found.time_to_first_token, 1 / found.decode_tokens_per_s
+
+    assert run("context", dearer)[1] - run("context", costs)[1] == pytest.approx(8 * 4e-4)
+    assert run("context", dearer)[0] == pytest.approx(run("context", costs)[0])  # decode only
+    staged = run("pipeline x context", dearer, 4)[1] - run("pipeline x context", costs, 4)[1]
+    assert staged == pytest.approx(8 * 4e-4)  # each stage's cp group pays it for its layers
+    for strategy in ("pipeline", "tensor"):  # nothing is split along the sequence there
+        assert run(strategy, dearer) == pytest.approx(run(strategy, costs))
+    faster = Fit(1e-3, 0.0, 0.5e-8)
+    assert measured_overhead("context", costs, faster, link, 2, [256]) == 0.0

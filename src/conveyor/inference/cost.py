@@ -27,10 +27,12 @@ import torch
 
 from conveyor.graph import StageGraph
 from conveyor.inference.config import GenerationConfig
-from conveyor.inference.lm import CausalLM, Context
+from conveyor.inference.context import ContextParallelLM
+from conveyor.inference.lm import CausalLM, Context, CpPlace
 from conveyor.inference.prompts import positions_of
 from conveyor.inference.sampling import Sampler
 from conveyor.inference.schedule import Item
+from conveyor.parallel.context_parallel import zigzag
 from conveyor.program import Action, Kind
 from conveyor.simulator import Link, Overheads
 
@@ -203,7 +205,16 @@ def profile_stage(
     cache (median of ``repeats``), and, with ``resumed`` > 0, chunks of each length after
     cached ones at ``resumed`` starts and two cache capacities (the ``resumed`` fit, for
     prompts prefilled in chunks). The last stage is timed with its sampling (``config``).
+
+    A ContextParallelLM is measured as its cp group runs it: every rank of the group calls
+    this at once, prompts go over the ring in zigzag chunks and each new token attends over
+    the shards; such a model takes no ``resumed`` chunks (its prompt is prefilled whole).
     """
+    if resumed and isinstance(lm, ContextParallelLM):
+        raise ValueError(
+            "profile_stage: a context-parallel model prefills a prompt whole, so it has no "
+            "chunks after cached ones to measure; pass resumed=0"
+        )
     config = config or GenerationConfig()
     device = torch.device(device)
     decode: list[tuple[int, int, int, float]] = []
@@ -363,12 +374,15 @@ class _Runner:
         self.mask = torch.ones((rows, capacity), dtype=torch.bool, device=device)
         self.positions = positions_of(self.mask)
         self.start = 0
+        self.shards: tuple[tuple[range, ...], ...] = ()
+        """Under context parallelism, each rank's positions of the prompt."""
         self.generator = torch.Generator(device).manual_seed(0)
 
     def step(self, length: int) -> float:
         """Seconds to run ``length`` more tokens (and sample, on the last stage)."""
         end = self.start + length
-        context = Context(self.positions[:, self.start : end], self.mask[:, :end], self.start)
+        context = self._context(length)
+        length = context.length
         if 0 in self.units:
             ids = (self.rows, length)
             x = torch.randint(
@@ -385,6 +399,21 @@ class _Runner:
         seconds = time.perf_counter() - begin
         self.start = end
         return seconds
+
+    def _context(self, length: int) -> Context:
+        """The next ``length`` tokens' context; under context parallelism, this rank's of
+        them: a prompt's zigzag chunks, or a new token that every rank runs."""
+        end = self.start + length
+        columns = list(range(self.start, end))
+        place = None
+        if isinstance(self.lm, ContextParallelLM):
+            if self.start == 0:
+                self.shards = tuple(tuple(r) for r in zigzag(length, self.lm.size))
+            elif length > 1:
+                raise ValueError("a context-parallel model prefills a prompt whole")
+            place = CpPlace(self.lm.rank, self.shards, self.start > 0, self.start)
+            columns = place.mine
+        return Context(self.positions[:, columns], self.mask[:, :end], self.start, place)
 
 
 class DecodeCost:

@@ -21,7 +21,9 @@ decode Program.
   (weights replicated), attends over its shard, and the partial results are combined after
   each device sends its partial output (about one hidden vector) to every other device, once
   a layer, as conveyor.inference.context runs it (as messages, or through shared memory where
-  the group is on one host: ``estimate``'s ``exchange`` link).
+  the group is on one host: ``estimate``'s ``exchange`` link), plus what the split costs
+  beyond its share and the exchange (``LayerCosts.context_overhead``: the shard's mask,
+  packing the partial results and merging them).
 - **pipeline x context**: the layers in P/2 stages, each served by a cp group of 2 devices
   (DecodePipeline(cp=2) on P ranks), each stage's work divided as context parallelism
   divides it.
@@ -56,7 +58,7 @@ __all__ = [
     "Strategy",
     "compare",
     "estimate",
-    "measured_tensor_overhead",
+    "measured_overhead",
     "pipeline_chunk",
 ]
 
@@ -81,7 +83,11 @@ class LayerCosts:
     tensor_overhead: float = 0.0
     """Seconds a layer split by tensor parallelism spends per call beyond its share of the
     work and its two all-reduces: the framework's dispatch of sharded weights (torch's
-    DTensor, some milliseconds a layer on CPU); ``measured_tensor_overhead`` finds it."""
+    DTensor, some milliseconds a layer on CPU); ``measured_overhead`` finds it."""
+    context_overhead: float = 0.0
+    """Seconds a layer under context parallelism spends per new token beyond its share of the
+    attention and its exchange: masking the shard, packing the partial results and merging
+    them (some tenths of a millisecond a layer on CPU); ``measured_overhead`` finds it."""
 
     @property
     def hidden_bytes(self) -> int:
@@ -179,15 +185,25 @@ def pipeline_chunk(prompt: int, stages: int) -> int | None:
     return None if stages == 1 else math.ceil(prompt / (4 * stages))
 
 
-def measured_tensor_overhead(
-    costs: LayerCosts, split: Fit, collective: Link, devices: int, starts: Sequence[int]
+def measured_overhead(
+    strategy: Literal["tensor", "context"],
+    costs: LayerCosts,
+    split: Fit,
+    link: Link,
+    devices: int,
+    starts: Sequence[int],
 ) -> float:
-    """The ``tensor_overhead`` that brings a layer's modelled decode time to ``split``'s: the
-    decode fit of one layer profiled split over ``devices`` by tensor parallelism (all ranks
-    at once, its all-reduces included); the median over ``starts`` (cached tokens) of the
-    difference, at least 0."""
-    plain = replace(costs, tensor_overhead=0.0)
-    gaps = [split.time(1, 1, s) - _tensor_layer(plain, collective, devices, 1, s) for s in starts]
+    """The ``tensor_overhead`` or ``context_overhead`` that brings a layer's modelled decode
+    time to ``split``'s: the decode fit of one layer profiled as ``strategy`` splits it over
+    ``devices`` (all ranks at once; its all-reduces, or its exchange, over ``link``
+    included); the median over ``starts`` (cached tokens) of the difference, at least 0."""
+    plain = replace(costs, tensor_overhead=0.0, context_overhead=0.0)
+    if strategy == "tensor":
+        modelled = [_tensor_layer(plain, link, devices, 1, s) for s in starts]
+    else:
+        decode = _context_fit(plain.block, link, plain, devices).decode
+        modelled = [decode.time(1, 1, s) for s in starts]
+    gaps = [split.time(1, 1, s) - m for s, m in zip(starts, modelled, strict=True)]
     return max(statistics.median(gaps), 0.0)
 
 
@@ -229,12 +245,12 @@ def _simulated(
 def _context_fit(block: StageFit, link: Link, costs: LayerCosts, cp: int) -> StageFit:
     """A block's fits when a cp group of ``cp`` ranks serves it: a prompt's tokens and pairs
     split over the group (ring transfers overlapped), a new token's pairs split and one
-    exchange of its attention output added."""
+    exchange of its attention output over ``link`` and the split's overhead added."""
     if cp == 1:
         return block
-    gather = _exchange(link, costs.hidden_bytes, cp)
+    added = _exchange(link, costs.hidden_bytes, cp) + costs.context_overhead
     decode = _attention_divided(block.decode, cp)
-    return StageFit(replace(decode, fixed=decode.fixed + gather), _divided(block.prefill, cp))
+    return StageFit(replace(decode, fixed=decode.fixed + added), _divided(block.prefill, cp))
 
 
 def _divided(fit: Fit, devices: int) -> Fit:
@@ -313,11 +329,10 @@ class _ContextCost(_TensorCost):
             kv_block = 2 * math.ceil(length / p) * self.costs.hidden_bytes
             ring = (p - 1) * self.link.transfer(kv_block)
             layer = max(compute, ring + fit.fixed)
-            head = _fit(self.costs.head, length).time(1, length, start)
         else:  # decode: the token everywhere, its attention over a P-th of the cache each
-            local = _attention_divided(fit, p).time(1, length, start)
-            layer = local + _exchange(self.exchange, self.costs.hidden_bytes, p)
-            head = _fit(self.costs.head, length).time(1, length, start)
+            split = _context_fit(self.costs.block, self.exchange, self.costs, p)
+            layer = split.decode.time(1, length, start)
+        head = _fit(self.costs.head, length).time(1, length, start)
         embed = _fit(self.costs.embed, length).time(1, length, start)
         return embed + self.num_layers * layer + head
 
