@@ -260,24 +260,29 @@ def main() -> None:
     parser.add_argument(
         "--measured",
         type=Path,
-        help="measure nothing: take the runs a --save wrote, profile afresh and predict them",
+        help="take the runs a --save wrote, profile afresh and predict them",
+    )
+    parser.add_argument(
+        "--render", type=Path, help="measure nothing: render what a --save wrote, as it was"
     )
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.rounds, args.no_write = [1024, 2048], 1, True
-    earlier = torch.load(args.measured, weights_only=False) if args.measured else None
+    saved_at = args.measured or args.render
+    earlier = torch.load(saved_at, weights_only=False) if saved_at else None
     if earlier is not None:
         args.prompts, args.rounds = earlier["prompts"], earlier["rounds"]
+        args.new_tokens = earlier["new_tokens"]
     before = os.getloadavg()[0]
     print(f"load average before: {before:.2f}", flush=True)
-    results = two_ranks(worker, args)
+    results = earlier if args.render else two_ranks(worker, args)
     after = os.getloadavg()[0]
     if earlier is not None:
         results.update({p: earlier[p] for p in args.prompts})
         before, after = earlier["loads"]
-    elif args.save is not None:  # the runs, and the profile and links predicted from
-        torch.save({**results, "prompts": args.prompts, "rounds": args.rounds,
-                    "loads": (before, after)}, args.save)  # fmt: skip
+    elif args.save is not None:  # the runs, and the profiles and links predicted from
+        saved = {"prompts": args.prompts, "rounds": args.rounds, "new_tokens": args.new_tokens}
+        torch.save({**results, **saved, "loads": (before, after)}, args.save)
     text = render(args, results, before, after)
     print(text)
     if args.no_write:
@@ -292,13 +297,8 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
     links = results["links"]
     link, collective, shared = (_pooled([each[i] for each in links]) for i in range(3))
     latencies = [each[0].latency * 1e6 for each in links]
-    profiles = results["profiles"]
-    costs = {p: _costs_by_mode(args, profiles[p], (link, collective, shared)) for p in profiles}
-
-    def overheads(mode: str, field: str) -> str:
-        values = [getattr(c[mode], field) * 1e3 for c in costs.values()]
-        return f"{min(values):.2f}-{max(values):.2f} ms"
-
+    profiles = list(results["profiles"].values())
+    costs = _costs_by_mode(args, _pooled_profile(profiles), (link, collective, shared))
     lines = [
         "## One long request: pipeline, tensor and context parallelism, measured and predicted",
         "",
@@ -313,13 +313,13 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             if args.measured
             else "in the same run "
         )
-        + "right after each prompt's rounds (each mode's units profiled as its ranks run them: "
-        "the unsplit model's and the pipeline's decode on one rank while the other waits, the "
-        "rest on both ranks at once; tp's split layer costs "
-        f"{overheads('tp = 2', 'tensor_overhead')} more than the planner's share of the work "
-        "and its two all-reduces: torch's DTensor dispatch; a cp layer "
-        f"{overheads('cp = 2', 'context_overhead')} (shared memory) and "
-        f"{overheads('cp = 2, gloo', 'context_overhead')} (gloo) more than its share of the "
+        + f"after each prompt's rounds and pooled over the {len(profiles)} profiles (each mode's "
+        "units profiled as its ranks run them: the unsplit model's and the pipeline's decode on "
+        "one rank while the other waits, the rest on both ranks at once; tp's split layer costs "
+        f"{costs['tp = 2'].tensor_overhead * 1e3:.2f} ms more than the planner's share of the "
+        "work and its two all-reduces: torch's DTensor dispatch; a cp layer "
+        f"{costs['cp = 2'].context_overhead * 1e3:.2f} ms (shared memory) and "
+        f"{costs['cp = 2, gloo'].context_overhead * 1e3:.2f} ms (gloo) more than its share of the "
         "attention and its exchange: the shard's mask, packing and merging the partial "
         "results, and over gloo what its collective costs beyond one message; "
         f"messages between work, measured {len(links)} times through the run and pooled: "
@@ -343,7 +343,7 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
             ttft, decode = [t for t, _ in rows[mode]], [d for _, d in rows[mode]]
             exchange = shared if mode == "cp = 2" else link
             predicted = _predicted(
-                mode, costs[prompt], (link, collective, exchange), prompt, args.new_tokens
+                mode, costs, (link, collective, exchange), prompt, args.new_tokens
             )
             lines.append(
                 f"| {prompt} | {mode} | {_spread(ttft)} | {_pred(predicted, 0)} | "
@@ -352,6 +352,22 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
                 f"{_median(decode) / base['unsplit, 2 threads']:.2f}x |"
             )
     return "\n".join(lines)
+
+
+def _pooled_profile(profiles: list[dict[str, Any]]) -> dict[str, Any]:
+    """One profile for several taken through the run: each fit's mean (Note [profiled as the
+    mode runs])."""
+
+    def mean(fits: list[Any]) -> Any:
+        return sum(fits[1:], fits[0]) * (1.0 / len(fits))
+
+    pooled: dict[str, Any] = {}
+    for key, first in profiles[0].items():
+        if isinstance(first, dict):
+            pooled[key] = {unit: mean([p[key][unit] for p in profiles]) for unit in first}
+        else:
+            pooled[key] = mean([p[key] for p in profiles])
+    return pooled
 
 
 def _costs_by_mode(
@@ -376,19 +392,20 @@ def _costs_by_mode(
 
 
 # Note [profiled as the mode runs]:
-# The machine's speed drifts by 10-30% from minute to minute, so each prompt's modes are
-# predicted from units profiled right after its rounds, not once for the whole run. On 2 CPU
-# cores the two ranks share one memory bus, so a unit costs more while the other rank works too:
-# decode over a long cache most, as it reads the cache at the bus's speed. Each mode is
-# predicted from the costs its ranks meet: the unsplit model from units profiled on one rank
-# while the other waits; cp and tp from units profiled on both ranks at once; the pipeline's
-# chunked prefill, in which both stages work at once, from the latter and its decode, in which
-# one rank works at a time, from the former. tp's layers are also profiled split (both ranks,
-# torch's parallelize_module): what they cost beyond their share of the work and their two
-# all-reduces is the framework's dispatch of sharded weights, the planner's ``tensor_overhead``.
-# cp's layers are profiled at decode as its group runs them, with each of its exchanges: what
-# they cost beyond their half of the attention and one exchange is the planner's
-# ``context_overhead``.
+# The machine's speed drifts by 10-30% from minute to minute, and one profile describes its
+# minute: profiled after each prompt's rounds, the same shapes gave predictions up to 1.9 times
+# apart in one run. So the units are profiled after every prompt's rounds and the fits pooled
+# (their mean), as the links are (Note [links sampled through the run]). On 2 CPU cores the two
+# ranks share one memory bus, so a unit costs more while the other rank works too: decode over a
+# long cache most, as it reads the cache at the bus's speed. Each mode is predicted from the
+# costs its ranks meet: the unsplit model from units profiled on one rank while the other waits;
+# cp and tp from units profiled on both ranks at once; the pipeline's chunked prefill, in which
+# both stages work at once, from the latter and its decode, in which one rank works at a time,
+# from the former. tp's layers are also profiled split (both ranks, torch's parallelize_module):
+# what they cost beyond their share of the work and their two all-reduces is the framework's
+# dispatch of sharded weights, the planner's ``tensor_overhead``. cp's layers are profiled at
+# decode as its group runs them, with each of its exchanges: what they cost beyond their half of
+# the attention and one exchange is the planner's ``context_overhead``.
 def _layer_costs(fits: dict[str, StageFit]) -> LayerCosts:
     """The planner's costs of the benchmark's model from its units' fits."""
     return LayerCosts(
