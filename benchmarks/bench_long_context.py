@@ -19,10 +19,10 @@ prompt's rounds, each unit (embedding, one block, head) profiled at decode and p
 with the static cache the modes use (prefill chunks both from an empty cache and after cached
 ones, which cost Hugging Face models more), on both ranks at once and on one alone (Note
 [profiled as the mode runs]), and tp's split block and cp's block (with each of its exchanges)
-at decode; the point-to-point link between them, an all-reduce and the shared-memory exchange
-measured between work, as decode meets them (``measure_between_work``), in every round next to
-the modes and pooled over the rounds (Note [links sampled through the run]); and ``estimate``
-run for each mode.
+at decode, the profiles pooled over the run; the point-to-point link between them, an
+all-reduce and the shared-memory exchange measured between work, as decode meets them
+(``measure_between_work``), in every round next to the modes and pooled over the rounds (Note
+[links sampled through the run]); and ``estimate`` run for each mode.
 """
 
 from __future__ import annotations
@@ -311,9 +311,9 @@ def render(args: argparse.Namespace, results: dict[Any, Any], before: float, aft
         + (
             f"in a later run on the same machine (the runs: `--measured {args.measured.name}`) "
             if args.measured
-            else "in the same run "
+            else "in the same run, after each prompt's rounds, "
         )
-        + f"after each prompt's rounds and pooled over the {len(profiles)} profiles (each mode's "
+        + f"and pooled over the {len(profiles)} profiles (each mode's "
         "units profiled as its ranks run them: the unsplit model's and the pipeline's decode on "
         "one rank while the other waits, the rest on both ranks at once; tp's split layer costs "
         f"{costs['tp = 2'].tensor_overhead * 1e3:.2f} ms more than the planner's share of the "
