@@ -249,8 +249,9 @@ def test_lost_rank_without_restarts_left_fails_the_run_naming_it(tmp_path: Path)
 # -- a lost peer, every survivor fails quickly naming it -----------------------------------
 
 
-def _survivor(rank: int, world_size: int, store: str, out: str) -> None:
+def _survivor(rank: int, world_size: int, store: str, out: str, fault: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ[faults.ENV] = fault  # See Note [rank fork server]
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -274,19 +275,18 @@ def _lose(tmp_path: Path, lost: int, world_size: int = 3) -> dict[int, tuple[int
     rank ``lost`` in the backward of step 3; returns each survivor's exit code and report."""
     out = tmp_path / f"lost-{lost}"
     out.mkdir()
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")  # See Note [rank fork server]
+    fault = f"backward:rank={lost}:step=2"
     processes = [
-        context.Process(target=_survivor, args=(r, world_size, str(out / "store"), str(out)))
+        context.Process(target=_survivor, args=(r, world_size, str(out / "store"), str(out), fault))
         for r in range(world_size)
     ]
-    os.environ[faults.ENV] = f"backward:rank={lost}:step=2"
     try:
         for process in processes:
             process.start()
         for process in processes:
             process.join(90)
     finally:
-        del os.environ[faults.ENV]
         for process in processes:
             if process.is_alive():
                 process.kill()
@@ -407,7 +407,7 @@ def _stop(tmp_path: Path, scenario: str) -> dict[str, Any]:
     it; returns rank 0's report once it has finished, then kills rank 1."""
     out = tmp_path / scenario
     out.mkdir()
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")  # See Note [rank fork server]
     processes = [
         context.Process(target=_stopped_peer, args=(r, 2, str(out / "store"), str(out), scenario))
         for r in range(2)

@@ -1,9 +1,7 @@
 """``python -m conveyor.cli``: the ``conveyor`` command without its console script."""
 
-import sys
-
-from conveyor.cli.main import main
+from conveyor.cli.main import command
 
 __all__: list[str] = []
 
-sys.exit(main())
+command()

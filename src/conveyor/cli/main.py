@@ -15,7 +15,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from conveyor.cli.flags import add_dataclass_flags, build_dataclass, read_toml
 from conveyor.cli.generate import add_decode_flags, add_generate_command, simulate_decode
@@ -30,11 +30,12 @@ from conveyor.config import PipelineConfig
 from conveyor.demo import DemoConfig, worker_args
 from conveyor.graph import PLACEMENT_STYLES, chain
 from conveyor.runtime.memory import alive_peak
+from conveyor.runtime.peers import leave
 from conveyor.schedule import SCHEDULES, build_program, stage_placement
 from conveyor.simulator import simulate
 from conveyor.trace import render_grid
 
-__all__ = ["main"]
+__all__ = ["command", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as error:
         parser.error(str(error))
     return 2  # parser.error exits; this keeps type checkers content
+
+
+def command() -> NoReturn:
+    """The ``conveyor`` console script and ``python -m conveyor.cli``: ``main``, then exit
+    without finalizing the interpreter, which costs half a second once torch is imported
+    (the command's own threads and files are done by then; See Note [threads at exit])."""
+    leave(main())
 
 
 def _parser() -> argparse.ArgumentParser:
