@@ -203,6 +203,41 @@ def test_one_process_matches_hugging_face(family: str) -> None:
         assert torch.equal(tokens, greedy), (family, options)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_static_cache_scores_its_written_slots_only_and_matches_hugging_faces(
+    family: str,
+) -> None:
+    """A padded prompt in two chunks, then three tokens: the adapter's static cache hands
+    attention only the slots written so far (See Note [filled slots]) and gives the logits
+    of Hugging Face's own StaticCache, which hands it every slot, masked."""
+    from transformers import StaticCache
+
+    model = FAMILIES[family]()
+    lm = as_causal_lm(model)
+    ids, mask = two_prompts()
+    units, capacity = range(lm.num_units), 16
+    ours = lm.new_cache(units, 2, capacity, torch.device("cpu"), "static")
+    theirs = StaticCache(config=model.config, max_cache_len=capacity)
+    tokens, key_mask = ids, mask.bool()
+    # float64 models; eager attention takes its softmax in float32, whose sum rounds by the
+    # row's length
+    tolerance = 1e-10 if model.config._attn_implementation == "sdpa" else 1e-5
+    for start, end in [(0, 4), (4, 9), (9, 10), (10, 11), (11, 12)]:
+        if end > tokens.shape[1]:  # a new token on each row, after the prompt
+            tokens = torch.cat([tokens, torch.full((2, 1), 5 + end)], dim=1)
+            key_mask = torch.cat([key_mask, torch.ones((2, 1), dtype=torch.bool)], dim=1)
+        positions = positions_of(key_mask)[:, start:end]
+        context = Context(positions, key_mask[:, :end], start)
+        with torch.no_grad():
+            logits = lm.run(units, tokens[:, start:end], ours, context)
+            want = lm.run(units, tokens[:, start:end], theirs, context)
+        torch.testing.assert_close(logits, want, rtol=tolerance, atol=tolerance)
+    filled = [layer for layer in ours.layers if hasattr(layer, "filled")]
+    full = sum(type(layer).__name__ == "StaticLayer" for layer in theirs.layers)
+    assert len(filled) == full  # every full-attention layer; sliding ones keep their window
+    assert all(layer.filled == 12 and layer.get_mask_sizes(1) == (13, 0) for layer in filled)
+
+
 def _families_on_two_ranks(rank: int, world_size: int) -> None:
     ids, mask = two_prompts()
     for family, make in FAMILIES.items():

@@ -154,10 +154,11 @@ class StageFit:
     empty cache, and one for chunks after cached ones (``resumed``; default: ``prefill``).
 
     The last is apart because a model may run a chunk that follows cached tokens another way
-    than a first one: a Hugging Face model with its static cache attends over every slot of
-    the cache then (masked), so such a chunk costs its tokens x the cache's capacity, wherever
-    it starts; measured on a 256-wide Llama block, 2,048 tokens after 2,048 cost 0.21 s in a
-    cache of 4,096 and 0.70 s in one of 16,384, against 0.13 s for the first chunk."""
+    than a first one: a cache that hands attention every preallocated slot, masked (Hugging
+    Face's StaticCache; conveyor's hands it the written ones, Note [filled slots]), makes such
+    a chunk cost its tokens x the cache's capacity, wherever it starts: measured on a
+    256-wide Llama block, 2,048 tokens after 2,048 cost 0.21 s in a cache of 4,096 and 0.70 s
+    in one of 16,384, against 0.13 s for the first chunk."""
 
     decode: Fit
     prefill: Fit
