@@ -59,24 +59,29 @@ def run(model: Any, prompt: int, chunk: int | None) -> tuple[float, float]:
     return stats.time_to_first_token, stats.decode_tokens_per_s
 
 
-def measure(prompts: list[int], rounds: int) -> dict[tuple[int, str, str], list[float]]:
-    """(prompt, prefill, cache) -> per-round [ttft, tokens/s] pairs, flattened by round."""
+def measure(
+    prompts: list[int], rounds: int
+) -> dict[tuple[int, str, str], list[tuple[float, float]]]:
+    """(prompt, prefill, cache) -> each round's (time to first token, decode tokens/s)."""
     torch.set_num_threads(1)
     model = build(max(prompts) + NEW_TOKENS)
-    found: dict[tuple[int, str, str], list[float]] = {}
+    found: dict[tuple[int, str, str], list[tuple[float, float]]] = {}
     for r in range(rounds):
         for prompt in prompts:
             for prefill, chunk in (("whole", None), ("chunked", pipeline_chunk(prompt, 2))):
                 for cache in CACHES if r % 2 == 0 else CACHES[::-1]:
                     with scoring(cache):
-                        found.setdefault((prompt, prefill, cache), []).extend(
+                        found.setdefault((prompt, prefill, cache), []).append(
                             run(model, prompt, chunk)
                         )
         print(f"round {r + 1}/{rounds} done", flush=True)
     return found
 
 
-def render(found: dict[tuple[int, str, str], list[float]], prompts: list[int], note: str) -> str:
+def render(
+    found: dict[tuple[int, str, str], list[tuple[float, float]]], prompts: list[int], note: str
+) -> str:
+    """The section: ``note``, then each prompt's and prefill's figures with each cache."""
     rows = [
         "| prompt | prefill | time to first token, every slot (s) | written slots (s) | "
         "speed-up | decode tokens/s, every slot | written slots | speed-up |",
@@ -84,9 +89,8 @@ def render(found: dict[tuple[int, str, str], list[float]], prompts: list[int], n
     ]
     for prompt in prompts:
         for prefill in ("whole", "chunked"):
-            every, written = (found[(prompt, prefill, c)] for c in CACHES)
-            ttft = [every[0::2], written[0::2]]
-            speed = [every[1::2], written[1::2]]
+            runs = [found[(prompt, prefill, cache)] for cache in CACHES]
+            ttft, speed = ([[r[i] for r in rounds] for rounds in runs] for i in (0, 1))
             t0, t1 = (statistics.median(v) for v in ttft)
             s0, s1 = (statistics.median(v) for v in speed)
             rows.append(
@@ -98,6 +102,7 @@ def render(found: dict[tuple[int, str, str], list[float]], prompts: list[int], n
 
 
 def _spread(values: list[float]) -> str:
+    """Median (min-max)."""
     return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
