@@ -17,7 +17,7 @@ generation). Time to first token and decode tokens/s come from ``DecodePipeline.
 medians over rounds, the spread (min-max) beside them. The prediction: right after each
 prompt's rounds, each unit (embedding, one block, head) profiled at decode and prefill shapes
 with the static cache the modes use (prefill chunks both from an empty cache and after cached
-ones, which cost Hugging Face models more), on both ranks at once and on one alone (Note
+ones, which a model may run another way), on both ranks at once and on one alone (Note
 [profiled as the mode runs]), and tp's split block and cp's block (with each of its exchanges)
 at decode, the profiles pooled over the run; the point-to-point link between them, an
 all-reduce and the shared-memory exchange measured between work, as decode meets them

@@ -332,7 +332,7 @@ def _filled_layer_class() -> type:
 
         def __init__(self, max_cache_len: int) -> None:
             super().__init__(max_cache_len=max_cache_len)
-            self.filled = 0
+            self.filled = 0  # cumulative_length as a Python int: slicing never waits on a GPU
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
